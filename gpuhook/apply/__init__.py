@@ -1,0 +1,199 @@
+"""The one privileged step: apply a Plan to a live container.
+
+Order (each step undone if a later one fails, so a refused container leaves
+nothing behind):
+
+1. in the hook process, on the host: the device-cgroup rules;
+2. in a forked, single-threaded child (``setns`` into a mount namespace is
+   refused to a process with other threads, and NVML may have started some):
+   open every host mount source with ``open_tree`` while still in the host's
+   namespace, enter the container's mount namespace through a pidfd, then
+   create device nodes, attach the mounts, add the symlinks, mask
+   /proc/driver/nvidia, and finally run the host's ldconfig chrooted in the rootfs.
+
+The child reports back over a pipe as JSON; the parent turns a failure into
+an ``ApplyError`` naming the step and path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuhook import linux
+from gpuhook.apply import cgroups
+from gpuhook.apply.ldconfig import open_ldconfig, run_ldconfig
+from gpuhook.apply.rootfs import RootFs
+from gpuhook.errors import ApplyError
+from gpuhook.planning.plan import BindMount, Plan, ProcDriverMount
+
+_NO_PROC_DRIVER = "the container's /proc has no driver/nvidia (the NVIDIA kernel module is not loaded on this host)"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApplyReport:
+    """What the privileged step did not do, and why (data, logged by the caller)."""
+
+    skipped: tuple[str, ...] = ()
+
+
+def apply_plan(plan: Plan, *, pid: int, rootfs: Path, ldconfig: Path, timeout: float) -> ApplyReport:
+    """Apply *plan* to the container whose init process is *pid*; raises ApplyError."""
+    pidfd = _open_container(pid)
+    try:
+        cgroup_dir = cgroups.device_cgroup_dir(pid) if plan.cgroup_rules else None
+        added = cgroups.allow(cgroup_dir, plan.cgroup_rules) if cgroup_dir else []
+        try:
+            return _run_child(plan, pidfd, rootfs, ldconfig, timeout)
+        except BaseException:
+            if cgroup_dir is not None:
+                cgroups.deny(cgroup_dir, added)
+            raise
+    finally:
+        os.close(pidfd)
+
+
+def _open_container(pid: int) -> int:
+    """A pidfd for *pid*, which must live in a mount namespace other than ours."""
+    try:
+        pidfd = os.pidfd_open(pid)
+        theirs = os.stat(f"/proc/{pid}/ns/mnt").st_ino
+    except OSError as err:
+        raise ApplyError("open container process", f"pid {pid}", errno_=err.errno) from err
+    if theirs == os.stat("/proc/self/ns/mnt").st_ino:
+        os.close(pidfd)
+        raise ApplyError(
+            "open container process", f"pid {pid}",
+            detail="shares the hook's mount namespace; run gpuhook as a prestart or createRuntime hook",
+        )
+    return pidfd
+
+
+def _run_child(plan: Plan, pidfd: int, rootfs: Path, ldconfig: Path, timeout: float) -> ApplyReport:
+    """Fork the child that does the namespace work and collect its report."""
+    read_fd, write_fd = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the forked child; exercised by the runc tests
+        os.close(read_fd)
+        os._exit(_child_main(plan, pidfd, rootfs, ldconfig, timeout, write_fd))
+    os.close(write_fd)
+    raw = _read_report(child, read_fd, timeout)
+    try:
+        report = json.loads(raw) if raw else {"error": {"step": "apply", "path": str(rootfs), "detail": "no report"}}
+    except ValueError:
+        report = {"error": {"step": "apply", "path": str(rootfs), "detail": f"garbled report {raw[:200]!r}"}}
+    if "error" in report:
+        raise ApplyError(**report["error"])
+    return ApplyReport(skipped=tuple(report["skipped"]))
+
+
+def _read_report(child: int, read_fd: int, timeout: float) -> bytes:
+    """Everything the child wrote, waiting at most *timeout* seconds."""
+    chunks = []
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+                timed_out = True
+                os.kill(child, signal.SIGKILL)
+                break
+            chunk = os.read(read_fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_fd)
+        os.waitpid(child, 0)
+    if timed_out:
+        raise ApplyError("apply", "container", detail=f"timed out after {timeout:g} s")
+    return b"".join(chunks)
+
+
+def _child_main(plan: Plan, pidfd: int, rootfs: Path, ldconfig: Path, timeout: float, out_fd: int) -> int:
+    """Body of the forked child; returns its exit status after writing the JSON report."""
+    try:
+        skipped = _apply_in_container(plan, pidfd, rootfs, ldconfig, timeout)
+        report: dict[str, object] = {"skipped": skipped}
+        status = 0
+    except ApplyError as err:
+        report = {"error": {"step": err.step, "path": err.path, "errno_": err.errno, "detail": err.detail}}
+        status = 1
+    except BaseException as err:  # noqa: BLE001 - the child must always report, never unwind into the hook
+        report = {"error": {"step": "apply", "path": str(rootfs), "detail": f"{type(err).__name__}: {err}"}}
+        status = 2
+    os.write(out_fd, json.dumps(report).encode())
+    return status
+
+
+def _apply_in_container(plan: Plan, pidfd: int, rootfs: Path, ldconfig: Path, timeout: float) -> list[str]:
+    """Open host sources, enter the container, make every change; undo all on failure."""
+    os.umask(0)
+    trees = [_host_tree(m) for m in plan.mounts]
+    gpu_trees = [_host_tree(BindMount(source=d, target="")) for d, _ in plan.proc_driver.gpu_dirs] if plan.proc_driver else []
+    ldconfig_fd = open_ldconfig(ldconfig) if plan.ldconfig else None
+    linux.setns(pidfd, linux.CLONE_NEWNS)
+    fs = RootFs(os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+    skipped: list[str] = []
+    try:
+        for node in plan.devices:
+            fs.mknod(node.path, node.major, node.minor, node.mode)
+        for mount, tree in zip(plan.mounts, trees, strict=True):
+            fs.attach(tree, fs.mount_target(mount.target), mount.target)
+        for link in plan.symlinks:
+            if not fs.symlink(link.path, link.target):
+                skipped.append(f"{link.path}: already exists in the image")
+        if plan.proc_driver is not None and not _mask_proc_driver(fs, plan.proc_driver, gpu_trees):
+            skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
+        if plan.ldconfig is not None and ldconfig_fd is not None:
+            run_ldconfig(ldconfig_fd, fs.root_fd, plan.ldconfig.dirs, timeout=timeout)
+    except BaseException as err:
+        leftovers = fs.rollback()
+        if leftovers and isinstance(err, ApplyError):
+            err.detail = f"{err.detail or 'failed'}; could not undo: {'; '.join(leftovers)}"
+        raise
+    return skipped
+
+
+def _host_tree(mount: BindMount) -> int:
+    """A detached, read-only clone of a host file or directory (made in the host namespace)."""
+    flags = linux.OPEN_TREE_CLONE | linux.OPEN_TREE_CLOEXEC | linux.AT_SYMLINK_NOFOLLOW
+    try:
+        fd = linux.open_tree(-100, mount.source, flags)  # AT_FDCWD
+        attrs = linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV
+        linux.mount_setattr(fd, attrs | (linux.MOUNT_ATTR_NOEXEC if mount.noexec else 0), what=mount.source)
+    except OSError as err:
+        raise ApplyError("open host file", mount.source, errno_=err.errno) from err
+    return fd
+
+
+def _mask_proc_driver(fs: RootFs, proc: ProcDriverMount, gpu_trees: list[int]) -> bool:
+    """Mount the filled, read-only tmpfs over /proc/driver/nvidia; False if there is no such dir."""
+    target = fs.try_open(proc.target, os.O_PATH | os.O_DIRECTORY)
+    if target is None:
+        return False
+    attrs = linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV | linux.MOUNT_ATTR_NOEXEC
+    try:
+        tmp = linux.fsmount_tmpfs({"mode": "0555", "size": "1m"}, attrs)
+        # Fill it while it is still detached: nothing in the container can see or race it.
+        for name, text in proc.files:
+            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o444, dir_fd=tmp)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(text)
+        os.mkdir("gpus", 0o555, dir_fd=tmp)
+        for _, name in proc.gpu_dirs:
+            os.mkdir(f"gpus/{name}", 0o555, dir_fd=tmp)
+        linux.mount_setattr(tmp, linux.MOUNT_ATTR_RDONLY | attrs, what=proc.target)
+    except OSError as err:
+        raise ApplyError("mount tmpfs", proc.target, errno_=err.errno) from err
+    fs.attach(tmp, target, proc.target)
+    for (_, name), tree in zip(proc.gpu_dirs, gpu_trees, strict=True):
+        path = f"{proc.target}/gpus/{name}"
+        fs.attach(tree, fs.open(path, os.O_PATH | os.O_DIRECTORY), path)
+    return True

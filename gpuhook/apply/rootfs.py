@@ -1,0 +1,189 @@
+"""Safe changes inside a container's root filesystem, which the image author controls.
+
+Every path is resolved with the rootfs as the root (openat2 ``RESOLVE_IN_ROOT``):
+``..`` and absolute symlinks stop at the rootfs, so an image cannot point a
+mount target at a host file (CVE-2024-0132/0134 were string joins resolved on
+the host). Runtime-owned trees (``/dev``, ``/proc``) additionally refuse every
+symlink. Final components are created with ``O_EXCL|O_NOFOLLOW`` / ``mknodat``
+and then checked, and mounts attach by fd and are verified after attaching.
+
+Each change is recorded so that a failure can undo all of them: a refused
+container must leave no file, node or mount behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable
+from pathlib import PurePosixPath
+from typing import Final
+
+from gpuhook import linux
+from gpuhook.errors import ApplyError
+
+_IN_ROOT: Final = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
+_RUNTIME_OWNED: Final = ("dev", "proc")
+
+
+def _resolve_flags(path: str) -> int:
+    """IN_ROOT, plus NO_SYMLINKS under the runtime-owned /dev and /proc."""
+    top = PurePosixPath(path).parts[1] if len(PurePosixPath(path).parts) > 1 else ""
+    return _IN_ROOT | (linux.RESOLVE_NO_SYMLINKS if top in _RUNTIME_OWNED else 0)
+
+
+class RootFs:
+    """A container rootfs held by fd, with an undo log of every change made through it."""
+
+    def __init__(self, root_fd: int) -> None:
+        self.root_fd = root_fd
+        self._undo: list[tuple[str, Callable[[], None]]] = []
+
+    # -- lookups ---------------------------------------------------------------------------------
+
+    def open(self, path: str, flags: int = os.O_PATH) -> int:
+        """Open the container *path* inside the root; raises OSError."""
+        return linux.openat2(self.root_fd, path.lstrip("/") or ".", flags | os.O_NOFOLLOW, _resolve_flags(path))
+
+    def try_open(self, path: str, flags: int = os.O_PATH) -> int | None:
+        """Like open(), but None when the path does not exist."""
+        try:
+            return self.open(path, flags)
+        except FileNotFoundError:
+            return None
+
+    def directory(self, path: str) -> int:
+        """An O_PATH fd of the directory *path*, creating missing components (mode 0755)."""
+        parts = PurePosixPath(path).parts[1:]
+        existing = len(parts)
+        fd = None
+        while fd is None:
+            prefix = "/" + "/".join(parts[:existing])
+            try:
+                fd = self.open(prefix, os.O_PATH | os.O_DIRECTORY)
+            except FileNotFoundError:
+                existing -= 1
+            except OSError as err:
+                raise ApplyError("open directory", prefix, errno_=err.errno) from err
+        for depth in range(existing, len(parts)):
+            fd = self._mkdir(fd, parts[depth], "/" + "/".join(parts[: depth + 1]))
+        return fd
+
+    def _mkdir(self, parent_fd: int, name: str, shown: str) -> int:
+        """mkdirat one component and open it without following symlinks."""
+        try:
+            os.mkdir(name, 0o755, dir_fd=parent_fd)
+        except OSError as err:
+            raise ApplyError("mkdir", shown, errno_=err.errno) from err
+        self._record(f"rmdir {shown}", lambda: os.rmdir(name, dir_fd=parent_fd))
+        return linux.openat2(parent_fd, name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, linux.RESOLVE_NO_SYMLINKS)
+
+    # -- changes ---------------------------------------------------------------------------------
+
+    def mount_target(self, path: str, *, directory: bool = False) -> int:
+        """An O_PATH fd of a regular file (or dir) at *path* to mount over; created if absent."""
+        parent = PurePosixPath(path).parent
+        name = PurePosixPath(path).name
+        dir_fd = self.directory(str(parent))
+        try:
+            if directory:
+                self._create(dir_fd, name, path, lambda: os.mkdir(name, 0o755, dir_fd=dir_fd), os.rmdir)
+            else:
+                self._create(dir_fd, name, path, lambda: os.close(
+                    os.open(name, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+                ), os.unlink)
+            fd = linux.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, linux.RESOLVE_NO_SYMLINKS)
+        except OSError as err:
+            raise ApplyError("create mount target", path, errno_=err.errno) from err
+        want = stat.S_ISDIR if directory else stat.S_ISREG
+        if not want(os.fstat(fd).st_mode):
+            os.close(fd)
+            kind = "a directory" if directory else "a regular file"
+            raise ApplyError("create mount target", path, detail=f"exists in the image and is not {kind}; refusing to mount over it")
+        return fd
+
+    def _create(
+        self, dir_fd: int, name: str, shown: str, make: Callable[[], None], remove: Callable[..., None]
+    ) -> None:
+        """Create a final component exclusively, recording its removal; an existing one is kept."""
+        try:
+            make()
+        except FileExistsError:
+            return
+        self._record(f"remove {shown}", lambda: remove(name, dir_fd=dir_fd))
+
+    def mknod(self, path: str, major: int, minor: int, mode: int) -> None:
+        """Create the character device *path*; an identical existing node is accepted."""
+        parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        dir_fd = self.directory(parent)
+        rdev = os.makedev(major, minor)
+        try:
+            os.mknod(name, stat.S_IFCHR | mode, rdev, dir_fd=dir_fd)
+            self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=dir_fd))
+        except FileExistsError:
+            pass
+        except OSError as err:
+            raise ApplyError("mknod", path, errno_=err.errno) from err
+        # Check what is there now: it must be exactly our device, never a symlink (runc mknodDevice).
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISCHR(st.st_mode) or st.st_rdev != rdev:
+            raise ApplyError("mknod", path, detail=f"exists and is not the character device {major}:{minor}")
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(name, mode, dir_fd=dir_fd)  # a character device, checked just above
+
+    def symlink(self, path: str, target: str) -> bool:
+        """Create *path* → *target* unless something already exists there; True if created."""
+        parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        dir_fd = self.directory(parent)
+        try:
+            os.symlink(target, name, dir_fd=dir_fd)
+        except FileExistsError:
+            return False
+        except OSError as err:
+            raise ApplyError("symlink", path, errno_=err.errno) from err
+        self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=dir_fd))
+        return True
+
+    def attach(self, tree_fd: int, target_fd: int, path: str) -> None:
+        """move_mount the detached *tree_fd* onto *target_fd*, then verify the result."""
+        want = os.fstat(tree_fd)
+        try:
+            linux.move_mount(tree_fd, target_fd, what=path)
+        except OSError as err:
+            raise ApplyError("mount", path, errno_=err.errno) from err
+        self._record(f"umount {path}", lambda: self._umount(path))
+        # Re-resolve from the root: the object now at *path* must be the mounted host file.
+        check = self.open(path)
+        try:
+            got = os.fstat(check)
+        finally:
+            os.close(check)
+        if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino):
+            raise ApplyError("mount", path, detail="after mounting, the path does not show the mounted file")
+
+    def _umount(self, path: str) -> None:
+        """Detach the top mount at *path* (through a fresh in-root fd)."""
+        fd = self.open(path)
+        try:
+            linux.umount_detach(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+
+    # -- undo ------------------------------------------------------------------------------------
+
+    def _record(self, what: str, undo: Callable[[], None]) -> None:
+        """Remember how to undo one change."""
+        self._undo.append((what, undo))
+
+    def rollback(self) -> list[str]:
+        """Undo every recorded change, newest first; returns what could not be undone."""
+        failed = []
+        for what, undo in reversed(self._undo):
+            try:
+                undo()
+            except OSError as err:
+                if err.errno != errno.ENOENT:
+                    failed.append(f"{what}: {err.strerror}")
+        self._undo.clear()
+        return failed

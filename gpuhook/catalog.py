@@ -1,0 +1,88 @@
+"""Pure data: which driver files and device nodes each capability brings.
+
+From libnvidia-container's ``nvc_info.c`` lists (nvidia-toolkit.md §3.1–3.3).
+Libraries are matched by *prefix* against ld.so.cache keys and must end in
+``.so.<driver version>``, as libnvidia-container does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Final
+
+from gpuhook.request.model import Capability
+
+LIBRARIES: Final[Mapping[Capability, tuple[str, ...]]] = MappingProxyType({
+    Capability.UTILITY: ("libnvidia-ml.so", "libnvidia-cfg.so", "libnvidia-nscq.so"),
+    Capability.COMPUTE: (
+        "libcuda.so", "libcudadebugger.so", "libnvidia-opencl.so", "libnvidia-gpucomp.so",
+        "libnvidia-ptxjitcompiler.so", "libnvidia-fatbinaryloader.so", "libnvidia-allocator.so",
+        "libnvidia-compiler.so", "libnvidia-pkcs11.so", "libnvidia-pkcs11-openssl3.so",
+        "libnvidia-nvvm.so", "libnvidia-tileiras.so",
+    ),
+    Capability.VIDEO: ("libvdpau_nvidia.so", "libnvidia-encode.so", "libnvidia-opticalflow.so", "libnvcuvid.so"),
+    Capability.GRAPHICS: (
+        "libnvidia-eglcore.so", "libnvidia-glcore.so", "libnvidia-tls.so", "libnvidia-glsi.so",
+        "libnvidia-fbc.so", "libnvidia-ifr.so", "libnvidia-rtcore.so", "libnvoptix.so",
+        "libGLX_nvidia.so", "libEGL_nvidia.so", "libGLESv2_nvidia.so", "libGLESv1_CM_nvidia.so",
+        "libnvidia-glvkspirv.so", "libnvidia-cbl.so",
+    ),
+    Capability.NGX: ("libnvidia-ngx.so",),
+})
+
+#: Every library prefix the driver may have, for discovery.
+ALL_LIBRARY_PREFIXES: Final = tuple(p for prefixes in LIBRARIES.values() for p in prefixes)
+
+BINARIES: Final[Mapping[Capability, tuple[str, ...]]] = MappingProxyType({
+    Capability.UTILITY: ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nv-fabricmanager"),
+    Capability.COMPUTE: ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"),
+})
+
+ALL_BINARIES: Final = tuple(b for names in BINARIES.values() for b in names)
+
+#: IPC sockets (host path relative to the driver root) and the capability that mounts them.
+IPC_SOCKETS: Final[Mapping[str, Capability]] = MappingProxyType({
+    "run/nvidia-persistenced/socket": Capability.UTILITY,
+    "run/nvidia-fabricmanager/socket": Capability.UTILITY,
+})
+
+#: libnvidia-container's implied sets (options.h ``container_opts``):
+#: video needs the compute libraries, display needs the graphics ones.
+_IMPLIED_LIBRARIES: Final = MappingProxyType({
+    Capability.VIDEO: frozenset({Capability.VIDEO, Capability.COMPUTE}),
+    Capability.DISPLAY: frozenset({Capability.GRAPHICS}),
+})
+
+#: Control nodes (name under /dev) and the capability that needs them; None = always.
+CONTROL_NODES: Final[Mapping[str, Capability | None]] = MappingProxyType({
+    "nvidiactl": None,
+    "nvidia-uvm": Capability.COMPUTE,
+    "nvidia-uvm-tools": Capability.COMPUTE,
+    "nvidia-modeset": Capability.DISPLAY,
+})
+
+#: The character-device major of /dev/nvidiactl and /dev/nvidiaN (fixed by the driver).
+NVIDIA_MAJOR: Final = 195
+NVIDIACTL_MINOR: Final = 255
+MODESET_MINOR: Final = 254
+
+
+def library_capabilities(caps: Iterable[Capability]) -> frozenset[Capability]:
+    """The capabilities whose libraries *caps* needs (video ⇒ compute, display ⇒ graphics)."""
+    out: set[Capability] = set()
+    for cap in caps:
+        out |= _IMPLIED_LIBRARIES.get(cap, frozenset({cap}))
+    return frozenset(out)
+
+
+def library_prefixes(caps: Iterable[Capability]) -> tuple[str, ...]:
+    """Library name prefixes to inject for *caps*."""
+    wanted = library_capabilities(caps)
+    return tuple(p for cap, prefixes in LIBRARIES.items() if cap in wanted for p in prefixes)
+
+
+def binaries(caps: Iterable[Capability]) -> tuple[str, ...]:
+    """Binary names to inject for *caps*."""
+    wanted = frozenset(caps)
+    return tuple(b for cap, names in BINARIES.items() if cap in wanted for b in names)

@@ -1,0 +1,60 @@
+"""Steps shared by the CLI commands: config, logging, reading the bundle, container facts."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Mapping
+from pathlib import Path
+
+from gpuhook import linux
+from gpuhook.config import Config, load_config, resolve_config_path
+from gpuhook.errors import SpecError
+from gpuhook.oci.spec import SPEC_LIMIT, BundleSpec, parse_spec
+from gpuhook.planning.paths import libs_dir
+from gpuhook.planning.planner import Target
+
+
+def read_spec(bundle: Path) -> BundleSpec:
+    """Read and parse ``<bundle>/config.json`` (size-capped)."""
+    path = bundle / "config.json"
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(SPEC_LIMIT + 1)
+    except OSError as err:
+        raise SpecError(f"cannot read {path}: {err.strerror}") from err
+    return parse_spec(data, bundle)
+
+
+def load_settings(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> Config:
+    """Load the config and set up logging (debug forces the debug level)."""
+    from gpuhook.log import configure_logging  # noqa: PLC0415 - structlog only past the fast path
+
+    path, required = resolve_config_path(config_arg, env)
+    config = load_config(path, required=required)
+    configure_logging(config.log_file, "debug" if debug else config.log_level)
+    return config
+
+
+def is_debian_like(rootfs: Path) -> bool:
+    """Whether the rootfs has /etc/debian_version, looked up inside the rootfs."""
+    try:
+        root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise SpecError(f"cannot open the container rootfs {rootfs}: {err.strerror}") from err
+    try:
+        fd = linux.openat2(root, "etc/debian_version", os.O_PATH, linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS)
+    except OSError:
+        return False
+    finally:
+        os.close(root)
+    os.close(fd)
+    return True
+
+
+def make_target(spec: BundleSpec, config: Config) -> Target:
+    """Placement facts for this container."""
+    return Target(
+        libs_dir=libs_dir(debian_like=is_debian_like(spec.rootfs), machine=platform.machine()),
+        manage_cgroups=not config.no_cgroups,
+    )

@@ -1,0 +1,70 @@
+"""``gpuhook prestart`` / ``createRuntime``: the OCI hook itself.
+
+The no-GPU path is a budget: a container that asks for no GPU costs reading
+stdin and config.json, and nothing else (no YAML, no structlog, no NVML).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import BinaryIO
+
+from gpuhook.cli.common import read_spec
+from gpuhook.errors import SpecError
+from gpuhook.oci.state import STATE_LIMIT, parse_state
+from gpuhook.request.parse import may_request_gpus
+
+
+def run_hook(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[str, str]) -> int:
+    """Inject the GPUs the container in the OCI state asks for."""
+    started = time.monotonic()
+    state = parse_state(stdin.read(STATE_LIMIT + 1))
+    spec = read_spec(state.bundle)
+    if not may_request_gpus(spec):
+        return 0
+    # Past this point the container asks for a GPU: load everything else.
+    import structlog  # noqa: PLC0415
+
+    from gpuhook.apply import apply_plan  # noqa: PLC0415
+    from gpuhook.cli.common import load_settings, make_target  # noqa: PLC0415
+    from gpuhook.discovery.host import HostDiscoverer  # noqa: PLC0415
+    from gpuhook.planning.planner import make_plan  # noqa: PLC0415
+    from gpuhook.request.parse import parse_request  # noqa: PLC0415
+
+    config = load_settings(config_arg, debug, env)
+    structlog.contextvars.bind_contextvars(container_id=state.id, pid=state.pid)
+    log = structlog.get_logger()
+    request = parse_request(
+        spec,
+        accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
+        accept_volume_mounts=config.accept_volume_mounts,
+    )
+    if request is None:
+        log.info("no_gpu_requested", privileged=spec.privileged)
+        return 0
+    if state.pid is None:
+        raise SpecError("the OCI state has no pid; run gpuhook as a prestart or createRuntime hook")
+    log.info("request_parsed", source=request.source, devices=request.raw,
+             capabilities=sorted(request.capabilities), requirements=list(request.requirements))
+    step = time.monotonic()
+    inventory = HostDiscoverer(config).discover()
+    log.info("host_discovered", driver=inventory.driver_version, gpus=len(inventory.gpus),
+             ms=_ms(step))
+    plan = make_plan(request, inventory, make_target(spec, config))
+    log.info("plan_built", gpus=list(plan.gpus), devices=len(plan.devices), mounts=len(plan.mounts),
+             cgroup_rules=len(plan.cgroup_rules))
+    for skipped in plan.skipped:
+        log.debug("skipped", what=skipped.what, reason=skipped.reason)
+    step = time.monotonic()
+    report = apply_plan(plan, pid=state.pid, rootfs=spec.rootfs, ldconfig=config.ldconfig,
+                        timeout=config.timeout_seconds)
+    for what in report.skipped:
+        log.warning("apply_skipped", what=what)
+    log.info("applied", ms=_ms(step), total_ms=_ms(started))
+    return 0
+
+
+def _ms(since: float) -> float:
+    """Milliseconds since *since*, rounded for the log."""
+    return round((time.monotonic() - since) * 1000, 1)

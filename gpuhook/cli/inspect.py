@@ -1,0 +1,85 @@
+"""``gpuhook plan`` and ``gpuhook info``: dry runs that need no privileges."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gpuhook.cli.common import load_settings, make_target, read_spec
+from gpuhook.discovery.host import HostDiscoverer
+from gpuhook.inventory import Inventory
+from gpuhook.planning.planner import make_plan
+from gpuhook.request.parse import parse_request
+
+
+def run_plan(config_arg: str | None, debug: bool, bundle: str, env: Mapping[str, str]) -> int:
+    """Print what the hook would do to the container in *bundle*."""
+    config = load_settings(config_arg, debug, env)
+    spec = read_spec(Path(bundle).absolute())
+    request = parse_request(
+        spec,
+        accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
+        accept_volume_mounts=config.accept_volume_mounts,
+    )
+    if request is None:
+        _print_json({"request": None, "plan": None, "note": "the container asks for no GPU; it is left untouched"})
+        return 0
+    plan = make_plan(request, HostDiscoverer(config).discover(), make_target(spec, config))
+    _print_json({
+        "request": {"source": request.source, "devices": request.raw, "all": request.all_devices,
+                    "capabilities": sorted(request.capabilities), "requirements": list(request.requirements)},
+        "plan": plan.to_dict(),
+    })
+    return 0
+
+
+def run_info(config_arg: str | None, debug: bool, env: Mapping[str, str], *, as_json: bool) -> int:
+    """Print the host's driver version, CUDA version and GPUs."""
+    config = load_settings(config_arg, debug, env)
+    inventory = HostDiscoverer(config).discover()
+    if as_json:
+        _print_json(_inventory_dict(inventory))
+    else:
+        sys.stdout.write(_inventory_text(inventory))
+    return 0
+
+
+def _inventory_dict(inventory: Inventory) -> dict[str, Any]:
+    """The inventory as JSON-ready data (proc file bodies left out)."""
+    data = dataclasses.asdict(inventory)
+    if inventory.proc_driver is not None:
+        data["proc_driver"]["files"] = [name for name, _ in inventory.proc_driver.files]
+    return data
+
+
+def _inventory_text(inv: Inventory) -> str:
+    """A short human summary, like `nvidia-container-cli info`."""
+    lines = [
+        f"NVRM version:   {inv.driver_version}",
+        f"CUDA version:   {inv.cuda_version}",
+        f"Libraries:      {len(inv.libraries)}   Binaries: {len(inv.binaries)}   "
+        f"Firmware: {len(inv.firmware)}   IPC sockets: {len(inv.ipc)}",
+        "",
+    ]
+    for gpu in inv.gpus:
+        lines += [
+            f"Device Index:   {gpu.index}",
+            f"Device Minor:   {gpu.minor}",
+            f"Model:          {gpu.model}",
+            f"Brand:          {gpu.brand}",
+            f"GPU UUID:       {gpu.uuid}",
+            f"Bus Location:   {gpu.pci_bus_id}",
+            f"Architecture:   {gpu.arch}",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def _print_json(data: Any) -> None:
+    """Pretty JSON on stdout (Paths become strings)."""
+    json.dump(data, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")

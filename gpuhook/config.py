@@ -1,0 +1,119 @@
+"""gpuhook's configuration: YAML → a frozen ``Config``.
+
+Looked up as ``--config FILE``, then ``$GPUHOOK_CONFIG``, then
+``/etc/gpuhook/config.yaml``, else the built-in defaults. A file named
+explicitly must exist; the default path may be absent. Unknown keys are an
+error (a typo must not silently fall back to a default on a root hook).
+
+``yaml`` is imported only when a file is actually read, so the no-GPU fast
+path never pays for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from gpuhook.errors import ConfigError
+
+DEFAULT_PATH: Final = Path("/etc/gpuhook/config.yaml")
+ENV_VAR: Final = "GPUHOOK_CONFIG"
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """Every setting of the hook, with NVIDIA-compatible defaults."""
+
+    #: where the driver's libraries, binaries, firmware and ld.so.cache live
+    #: (``/run/nvidia/driver`` for a containerised driver)
+    driver_root: Path = Path("/")
+    #: where the /dev/nvidia* nodes live
+    dev_root: Path = Path("/")
+    #: where /proc/driver/nvidia and /proc/devices live
+    proc_root: Path = Path("/")
+    #: the host's ldconfig; it must be statically linked (it runs chrooted in the container)
+    ldconfig: Path = Path("/sbin/ldconfig")
+    #: JSON-lines log; None disables it
+    log_file: Path | None = Path("/var/log/gpuhook.log")
+    log_level: str = "info"
+    #: NVIDIA's accept-nvidia-visible-devices-envvar-when-unprivileged
+    accept_envvar_when_unprivileged: bool = True
+    #: NVIDIA's accept-nvidia-visible-devices-as-volume-mounts (device-plugin "volume-mounts")
+    accept_volume_mounts: bool = False
+    #: leave the device cgroup alone (rootless, or when the runtime already allows the devices)
+    no_cgroups: bool = False
+    #: the longest the privileged step (mounts, nodes, ldconfig) may take
+    timeout_seconds: float = 30.0
+
+
+_FIELDS: Final = {f.name: f for f in dataclasses.fields(Config)}
+_PATH_KEYS: Final = ("driver_root", "dev_root", "proc_root", "ldconfig")
+_BOOL_KEYS: Final = ("accept_envvar_when_unprivileged", "accept_volume_mounts", "no_cgroups")
+
+
+def resolve_config_path(explicit: str | None, env: Mapping[str, str]) -> tuple[Path, bool]:
+    """The file to read and whether it must exist."""
+    if explicit:
+        return Path(explicit), True
+    if env.get(ENV_VAR):
+        return Path(env[ENV_VAR]), True
+    return DEFAULT_PATH, False
+
+
+def load_config(path: Path, *, required: bool) -> Config:
+    """Read *path*; an absent optional file gives the defaults."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"config file {path} does not exist") from None
+        return Config()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from err
+    return parse_config(text, source=str(path))
+
+
+def parse_config(text: str, *, source: str = "<config>") -> Config:
+    """Decode YAML text into a Config, refusing unknown keys and wrong types."""
+    import yaml  # noqa: PLC0415 -- deliberately lazy: keeps YAML off the no-GPU path
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: not valid YAML: {err}") from err
+    if data is None:
+        return Config()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
+    unknown = sorted(str(k) for k in data if k not in _FIELDS)
+    if unknown:
+        raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
+    return Config(**{key: _convert(key, value, source) for key, value in data.items()})
+
+
+def _convert(key: str, value: Any, source: str) -> Any:
+    """Check and convert one setting."""
+    where = f"{source}: {key}"
+    if key in _PATH_KEYS or (key == "log_file" and value is not None):
+        if not isinstance(value, str) or not value.startswith("/"):
+            raise ConfigError(f"{where} must be an absolute path, got {value!r}")
+        return Path(value)
+    if key == "log_file":
+        return None
+    if key in _BOOL_KEYS:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if key == "log_level":
+        if value not in LOG_LEVELS:
+            raise ConfigError(f"{where} must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+        return value
+    if key == "timeout_seconds":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 600:
+            raise ConfigError(f"{where} must be a number of seconds in (0, 600], got {value!r}")
+        return float(value)
+    raise AssertionError(key)  # pragma: no cover - _FIELDS and the branches above agree

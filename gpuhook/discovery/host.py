@@ -1,0 +1,183 @@
+"""The real discoverer: NVML + the driver root's files + the dev and proc roots."""
+
+from __future__ import annotations
+
+import os
+import platform
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from gpuhook import catalog
+from gpuhook.config import Config
+from gpuhook.discovery.hostroot import HostRoot
+from gpuhook.discovery.ldcache import LdCacheEntry, parse_ldcache
+from gpuhook.discovery.procdevices import parse_proc_devices
+from gpuhook.errors import DiscoveryError
+from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, ProcDriver
+
+#: Where libraries live when the driver root has no ld.so.cache (e.g. /usr/local/nvidia on
+#: cloud GPU images has lib64/ and bin/ only); NVIDIA's locator searches the same dirs.
+LIBRARY_DIRS: Final = ("usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu", "usr/lib64", "lib64", "usr/lib", "lib")
+BINARY_DIRS: Final = ("usr/bin", "bin", "usr/sbin", "sbin")
+PROC_DRIVER_FILES: Final = ("version", "params", "registry")
+_MACHINE_ARCH: Final = {"x86_64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
+
+
+@dataclass(frozen=True, slots=True)
+class HostDiscoverer:
+    """Inventories the host through the configured driver, dev and proc roots."""
+
+    config: Config
+
+    def discover(self) -> Inventory:
+        """Ask NVML and read the driver's files; raises DiscoveryError."""
+        from gpuhook.discovery.nvml import read_nvml  # noqa: PLC0415 -- pynvml only when needed
+
+        driver = HostRoot(self.config.driver_root)
+        libraries = _library_index(driver)
+        nvml = libraries.get("libnvidia-ml.so.1")
+        if nvml is None:
+            raise DiscoveryError(
+                f"libnvidia-ml.so.1 not found under driver root {self.config.driver_root} "
+                "(neither in its etc/ld.so.cache nor in its library directories); "
+                "is the NVIDIA driver installed, and is driver_root right?"
+            )
+        facts = read_nvml(nvml)
+        devices = HostRoot(self.config.dev_root)
+        majors = _majors(HostRoot(self.config.proc_root))
+        return Inventory(
+            driver_version=facts.driver_version,
+            cuda_version=facts.cuda_version,
+            gpus=facts.gpus,
+            gpu_nodes=tuple(n for g in facts.gpus if (n := _gpu_node(devices, g)) is not None),
+            control_nodes=_control_nodes(devices, majors),
+            libraries=_driver_libraries(libraries, facts.driver_version),
+            binaries=tuple(f for name in catalog.ALL_BINARIES if (f := _binary(driver, name)) is not None),
+            firmware=_firmware(driver, facts.driver_version),
+            ipc=tuple(f for rel in catalog.IPC_SOCKETS if (f := _socket(driver, rel)) is not None),
+            proc_driver=_proc_driver(HostRoot(self.config.proc_root)),
+        )
+
+
+def _library_index(root: HostRoot) -> dict[str, Path]:
+    """SONAME → resolved host path of the driver root's libraries for this machine."""
+    arch = _MACHINE_ARCH.get(platform.machine(), platform.machine())
+    cache = root.read_bytes("etc/ld.so.cache")
+    index: dict[str, Path] = {}
+    if cache is not None:
+        for entry in parse_ldcache(cache):
+            if entry.arch == arch and _is_driver_library(entry) and entry.key not in index:
+                found = root.resolve(entry.value)
+                if found is not None and stat.S_ISREG(found[1].st_mode):
+                    index[entry.key] = found[0]
+        return index
+    for directory in LIBRARY_DIRS:
+        for name in root.listdir(directory):
+            if name.startswith(catalog.ALL_LIBRARY_PREFIXES) and name not in index:
+                found = root.resolve(f"{directory}/{name}")
+                if found is not None and stat.S_ISREG(found[1].st_mode):
+                    index[name] = found[0]
+    return index
+
+
+def _is_driver_library(entry: LdCacheEntry) -> bool:
+    """An NVIDIA driver library (by name prefix, at a name boundary)."""
+    return any(entry.key == p or entry.key.startswith(p + ".") for p in catalog.ALL_LIBRARY_PREFIXES)
+
+
+def _driver_libraries(index: dict[str, Path], version: str) -> tuple[DriverFile, ...]:
+    """The versioned driver libraries (``*.so.<driver version>``), one per file."""
+    files = {path.name: path for path in index.values() if path.name.endswith(f".so.{version}")}
+    return tuple(DriverFile(name=name, host_path=path) for name, path in sorted(files.items()))
+
+
+def _binary(root: HostRoot, name: str) -> DriverFile | None:
+    """The first regular file *name* in the root's binary dirs."""
+    for directory in BINARY_DIRS:
+        found = root.resolve(f"{directory}/{name}")
+        if found is not None and stat.S_ISREG(found[1].st_mode):
+            return DriverFile(name=name, host_path=found[0])
+    return None
+
+
+def _firmware(root: HostRoot, version: str) -> tuple[DriverFile, ...]:
+    """GSP firmware for this driver version (``lib/firmware/nvidia/<version>/gsp*.bin``)."""
+    rel = f"lib/firmware/nvidia/{version}"
+    out = []
+    for name in root.listdir(rel):
+        found = root.resolve(f"{rel}/{name}")
+        if name.startswith("gsp") and name.endswith(".bin") and found and stat.S_ISREG(found[1].st_mode):
+            out.append(DriverFile(name=f"/{rel}/{name}", host_path=found[0]))
+    return tuple(out)
+
+
+def _socket(root: HostRoot, rel: str) -> DriverFile | None:
+    """An IPC socket of the driver's daemons, if it is running."""
+    found = root.resolve(rel)
+    if found is None or not stat.S_ISSOCK(found[1].st_mode):
+        return None
+    return DriverFile(name=f"/{rel}", host_path=found[0])
+
+
+def _majors(proc: HostRoot) -> dict[str, int]:
+    """Character-device majors from the proc root's /proc/devices."""
+    data = proc.read_bytes("proc/devices")
+    if data is None:
+        raise DiscoveryError(f"{proc.path}/proc/devices not found; is proc_root right?")
+    return dict(parse_proc_devices(data.decode("ascii", "replace")))
+
+
+def _char_device(root: HostRoot, name: str) -> HostDevice | None:
+    """/dev/<name> under the dev root, if it is a character device (symlinks are refused)."""
+    path = root.path / "dev" / name
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISCHR(st.st_mode):
+        raise DiscoveryError(f"{path} is not a character device; remove it and reload the NVIDIA driver")
+    return HostDevice(name=name, host_path=path, major=os.major(st.st_rdev), minor=os.minor(st.st_rdev))
+
+
+def _gpu_node(root: HostRoot, gpu: Gpu) -> HostDevice | None:
+    """/dev/nvidia<minor> of *gpu*."""
+    node = _char_device(root, f"nvidia{gpu.minor}")
+    if node is not None and (node.major, node.minor) != (catalog.NVIDIA_MAJOR, gpu.minor):
+        raise DiscoveryError(
+            f"{node.host_path} is {node.major}:{node.minor}, but GPU {gpu.index} ({gpu.uuid}) is "
+            f"{catalog.NVIDIA_MAJOR}:{gpu.minor}; recreate the node (nvidia-modprobe -c={gpu.minor})"
+        )
+    return node
+
+
+def _control_nodes(root: HostRoot, majors: dict[str, int]) -> tuple[HostDevice, ...]:
+    """nvidiactl, nvidia-uvm(-tools) and nvidia-modeset, checked against /proc/devices."""
+    nodes = []
+    for name in catalog.CONTROL_NODES:
+        node = _char_device(root, name)
+        if node is None:
+            continue
+        driver = "nvidia-uvm" if name.startswith("nvidia-uvm") else None
+        expected = majors.get(driver) if driver else catalog.NVIDIA_MAJOR
+        if expected is not None and node.major != expected:
+            raise DiscoveryError(
+                f"{node.host_path} has major {node.major} but /proc/devices gives {driver or 'nvidia'} "
+                f"major {expected}; the node is stale: recreate it (nvidia-modprobe -u -c=0)"
+            )
+        nodes.append(node)
+    return tuple(nodes)
+
+
+def _proc_driver(proc: HostRoot) -> ProcDriver | None:
+    """The host's /proc/driver/nvidia text files and per-GPU directories."""
+    found = proc.resolve("proc/driver/nvidia")
+    if found is None:
+        return None
+    files = []
+    for name in PROC_DRIVER_FILES:
+        data = proc.read_bytes(f"proc/driver/nvidia/{name}")
+        if data is not None:
+            files.append((name, data.decode("utf-8", "replace")))
+    return ProcDriver(host_dir=found[0], files=tuple(files), gpu_dirs=proc.listdir("proc/driver/nvidia/gpus"))

@@ -1,0 +1,57 @@
+"""Reads of the host's driver files, always relative to a configured root.
+
+A driver root is not always ``/``: a containerised driver lives under
+``/run/nvidia/driver``, a cloud image's under ``/usr/local/nvidia``, the test
+host in a temporary directory. Absolute symlinks and ld.so.cache paths inside
+such a root mean "inside the root", so every lookup resolves with
+``RESOLVE_IN_ROOT`` rather than by string joins.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuhook import linux
+
+
+@dataclass(frozen=True, slots=True)
+class HostRoot:
+    """A directory that stands for ``/`` when looking up driver files."""
+
+    path: Path
+
+    def resolve(self, rel: str) -> tuple[Path, os.stat_result] | None:
+        """The host path and stat of *rel* inside the root, symlinks followed inside it; None if absent."""
+        flags = os.O_PATH
+        resolve = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
+        try:
+            root_fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            fd = linux.openat2(root_fd, rel.lstrip("/") or ".", flags, resolve)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        finally:
+            os.close(root_fd)
+        try:
+            return Path(linux.fd_path(fd)), os.fstat(fd)
+        finally:
+            os.close(fd)
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        """The contents of the regular file *rel* inside the root, or None if absent."""
+        found = self.resolve(rel)
+        if found is None or not stat.S_ISREG(found[1].st_mode):
+            return None
+        return found[0].read_bytes()
+
+    def listdir(self, rel: str) -> tuple[str, ...]:
+        """Sorted names in the directory *rel* inside the root (empty if absent)."""
+        found = self.resolve(rel)
+        if found is None or not stat.S_ISDIR(found[1].st_mode):
+            return ()
+        return tuple(sorted(os.listdir(found[0])))

@@ -1,0 +1,93 @@
+"""NVML facts through pynvml: the only module that imports pynvml.
+
+The library is loaded from the driver root by absolute path (never through
+the dynamic loader's search, which could find a container's or a stale copy),
+and nvmlInit/nvmlShutdown are paired in one context manager.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pynvml
+
+from gpuhook.errors import DiscoveryError
+from gpuhook.inventory import Gpu
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NvmlFacts:
+    """What NVML says about the driver and the GPUs."""
+
+    driver_version: str
+    cuda_version: str
+    gpus: tuple[Gpu, ...]
+
+
+def _call(fn: Callable[..., T], *args: Any) -> T:
+    """Call a pynvml function, translating its errors once."""
+    try:
+        return fn(*args)
+    except pynvml.NVMLError as err:
+        raise DiscoveryError(f"NVML {fn.__name__} failed: {err}") from err
+
+
+def _text(value: str | bytes) -> str:
+    """pynvml returns bytes or str depending on its version."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@contextmanager
+def _session(library: Path) -> Iterator[None]:
+    """Load *library*, nvmlInit, and always nvmlShutdown."""
+    try:
+        pynvml.nvmlLib = ctypes.CDLL(str(library))
+    except OSError as err:
+        raise DiscoveryError(f"cannot load NVML from {library}: {err}") from err
+    _call(pynvml.nvmlInit)
+    try:
+        yield
+    finally:
+        _call(pynvml.nvmlShutdown)
+
+
+def _brand_names() -> dict[int, str]:
+    """NVML brand enum values to names (NVML_BRAND_TESLA → "Tesla")."""
+    out = {}
+    for name in dir(pynvml):
+        if name.startswith("NVML_BRAND_") and name != "NVML_BRAND_COUNT":
+            out[getattr(pynvml, name)] = name.removeprefix("NVML_BRAND_").title().replace("_", "")
+    return out
+
+
+def read_nvml(library: Path) -> NvmlFacts:
+    """Driver and CUDA versions and every GPU, from the NVML at *library*."""
+    with _session(library):
+        cuda = _call(pynvml.nvmlSystemGetCudaDriverVersion)
+        brands = _brand_names()
+        gpus = []
+        for index in range(_call(pynvml.nvmlDeviceGetCount)):
+            handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
+            major, minor = _call(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
+            gpus.append(Gpu(
+                index=index,
+                uuid=_text(_call(pynvml.nvmlDeviceGetUUID, handle)),
+                minor=_call(pynvml.nvmlDeviceGetMinorNumber, handle),
+                pci_bus_id=_text(_call(pynvml.nvmlDeviceGetPciInfo, handle).busId),
+                model=_text(_call(pynvml.nvmlDeviceGetName, handle)),
+                brand=brands.get(_call(pynvml.nvmlDeviceGetBrand, handle), "Unknown"),
+                arch=f"{major}.{minor}",
+            ))
+        return NvmlFacts(
+            driver_version=_text(_call(pynvml.nvmlSystemGetDriverVersion)),
+            # nvmlSystemGetCudaDriverVersion encodes 12.4 as 12040.
+            cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}",
+            gpus=tuple(gpus),
+        )

@@ -1,0 +1,148 @@
+"""The Linux syscalls that Python 3.11's standard library lacks, through ctypes.
+
+This is the only module that calls libc through ctypes. Rules it enforces
+(security.md §3.2 "Known ctypes hazards"):
+
+* A raw C call stops at the first NUL byte, so a path with an embedded NUL
+  would silently be truncated ("etc/os-release\\0../../x" opens
+  etc/os-release). Every path is refused here if it contains one.
+* errno is read with ``use_errno=True`` + ``ctypes.get_errno()`` and raised as
+  ``OSError`` carrying the path.
+* ``setns`` has different numbers per architecture (308 on x86_64, 268 on
+  aarch64), so it goes through libc's wrapper; the mount-API syscalls are
+  >= 424 and share one number on every architecture.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Final
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+# Generic syscall numbers (identical on x86_64 and aarch64 from 424 on).
+SYS_OPEN_TREE: Final = 428
+SYS_MOVE_MOUNT: Final = 429
+SYS_FSOPEN: Final = 430
+SYS_FSCONFIG: Final = 431
+SYS_FSMOUNT: Final = 432
+SYS_CLOSE_RANGE: Final = 436
+SYS_OPENAT2: Final = 437
+SYS_MOUNT_SETATTR: Final = 442
+
+# openat2(2) resolve flags.
+RESOLVE_NO_XDEV: Final = 0x01
+RESOLVE_NO_MAGICLINKS: Final = 0x02
+RESOLVE_NO_SYMLINKS: Final = 0x04
+RESOLVE_BENEATH: Final = 0x08
+RESOLVE_IN_ROOT: Final = 0x10
+
+# open_tree(2) / move_mount(2) / mount_setattr(2) / fsmount(2).
+OPEN_TREE_CLONE: Final = 1
+OPEN_TREE_CLOEXEC: Final = os.O_CLOEXEC
+AT_EMPTY_PATH: Final = 0x1000
+AT_RECURSIVE: Final = 0x8000
+AT_SYMLINK_NOFOLLOW: Final = 0x100
+MOVE_MOUNT_F_EMPTY_PATH: Final = 0x04
+MOVE_MOUNT_T_EMPTY_PATH: Final = 0x40
+MOUNT_ATTR_RDONLY: Final = 0x01
+MOUNT_ATTR_NOSUID: Final = 0x02
+MOUNT_ATTR_NODEV: Final = 0x04
+MOUNT_ATTR_NOEXEC: Final = 0x08
+FSOPEN_CLOEXEC: Final = 1
+FSMOUNT_CLOEXEC: Final = 1
+FSCONFIG_SET_STRING: Final = 1
+FSCONFIG_CMD_CREATE: Final = 6
+
+CLONE_NEWNS: Final = 0x00020000
+MNT_DETACH: Final = 2
+CLOSE_RANGE_CLOEXEC: Final = 1 << 2
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def _path(path: str) -> bytes:
+    """Encode a path for C, refusing the NUL byte that C would truncate at."""
+    raw = os.fsencode(path)
+    if b"\0" in raw:
+        raise ValueError(f"path contains a NUL byte: {path!r}")
+    return raw
+
+
+def _check(result: int, what: str) -> int:
+    """Raise OSError(errno) for a failed call, else return its result."""
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), what)
+    return result
+
+
+def openat2(dir_fd: int, path: str, flags: int, resolve: int, mode: int = 0) -> int:
+    """openat2(2): open *path* relative to *dir_fd* under the *resolve* rules."""
+    how = _OpenHow(flags=flags | os.O_CLOEXEC, mode=mode, resolve=resolve)
+    fd = _syscall(SYS_OPENAT2, dir_fd, _path(path), ctypes.byref(how), ctypes.sizeof(how))
+    return _check(fd, path)
+
+
+def open_tree(dir_fd: int, path: str, flags: int) -> int:
+    """open_tree(2): a detached mount (with OPEN_TREE_CLONE) of *path*."""
+    return _check(_syscall(SYS_OPEN_TREE, dir_fd, _path(path), flags), path)
+
+
+def move_mount(from_fd: int, to_fd: int, *, what: str) -> None:
+    """move_mount(2) the detached tree *from_fd* onto the object *to_fd* refers to."""
+    flags = MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH
+    _check(_syscall(SYS_MOVE_MOUNT, from_fd, b"", to_fd, b"", flags), what)
+
+
+def mount_setattr(fd: int, attr_set: int, *, recursive: bool = False, what: str) -> None:
+    """mount_setattr(2) on the mount *fd* refers to (detached or attached)."""
+    attr = _MountAttr(attr_set=attr_set)
+    flags = AT_EMPTY_PATH | (AT_RECURSIVE if recursive else 0)
+    _check(_syscall(SYS_MOUNT_SETATTR, fd, b"", flags, ctypes.byref(attr), ctypes.sizeof(attr)), what)
+
+
+def fsmount_tmpfs(options: dict[str, str], attr: int) -> int:
+    """A new, detached tmpfs (fsopen/fsconfig/fsmount) with *options* and mount *attr*."""
+    fs_fd = _check(_syscall(SYS_FSOPEN, b"tmpfs", FSOPEN_CLOEXEC), "fsopen tmpfs")
+    try:
+        for key, value in options.items():
+            _check(_syscall(SYS_FSCONFIG, fs_fd, FSCONFIG_SET_STRING, _path(key), _path(value), 0), key)
+        _check(_syscall(SYS_FSCONFIG, fs_fd, FSCONFIG_CMD_CREATE, None, None, 0), "fsconfig create")
+        return _check(_syscall(SYS_FSMOUNT, fs_fd, FSMOUNT_CLOEXEC, attr), "fsmount tmpfs")
+    finally:
+        os.close(fs_fd)
+
+
+def setns(fd: int, nstype: int) -> None:
+    """setns(2) through libc (its number differs per architecture)."""
+    _check(_libc.setns(fd, nstype), f"setns fd {fd}")
+
+
+def umount_detach(path: str) -> None:
+    """umount2(path, MNT_DETACH)."""
+    _check(_libc.umount2(_path(path), MNT_DETACH), path)
+
+
+def close_range_cloexec(first: int) -> None:
+    """Mark every fd >= *first* close-on-exec (close_range(2), Linux 5.11)."""
+    _check(_syscall(SYS_CLOSE_RANGE, first, 0xFFFFFFFF, CLOSE_RANGE_CLOEXEC), "close_range")
+
+
+def fd_path(fd: int) -> str:
+    """The path the kernel reports for *fd* (for verification and messages)."""
+    return os.readlink(f"/proc/self/fd/{fd}")

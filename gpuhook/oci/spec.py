@@ -1,0 +1,92 @@
+"""The parts of a bundle's config.json that decide GPU injection."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from gpuhook.errors import SpecError
+from gpuhook.oci import strictjson
+
+#: docker and podman specs are a few KiB; a large env still fits in 8 MiB.
+SPEC_LIMIT: Final = 8 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MountSpec:
+    """One entry of config.json ``mounts``."""
+
+    destination: str
+    source: str
+    type: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BundleSpec:
+    """The container's environment, root filesystem, privilege and mounts."""
+
+    env: Mapping[str, str]
+    rootfs: Path
+    privileged: bool
+    mounts: tuple[MountSpec, ...] = ()
+
+
+def parse_spec(data: bytes, bundle: Path) -> BundleSpec:
+    """Decode config.json; a relative root.path is taken relative to *bundle*."""
+    what = f"{bundle}/config.json"
+    obj = strictjson.loads_object(data, what=what, limit=SPEC_LIMIT)
+    for key in ("ociVersion", "process", "root"):
+        if key not in obj:
+            raise SpecError(f"{what}: missing {key!r}; is this an OCI bundle?")
+    process = strictjson.get_obj(obj, "process", what=what)
+    root_path = strictjson.get_str(strictjson.get_obj(obj, "root", what=what), "path", what=what)
+    rootfs = Path(root_path) if root_path.startswith("/") else bundle / root_path
+    return BundleSpec(
+        env=_parse_env(strictjson.get_list(process, "env", what=what), what),
+        rootfs=rootfs,
+        privileged=_has_sys_admin(process.get("capabilities"), what),
+        mounts=tuple(_parse_mount(m, what) for m in strictjson.get_list(obj, "mounts", what=what)),
+    )
+
+
+def _parse_env(entries: list[Any], what: str) -> dict[str, str]:
+    """KEY=VALUE strings to a mapping; like execve, a later duplicate wins."""
+    env: dict[str, str] = {}
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise SpecError(f"{what}: process.env entries must be strings, got {entry!r}")
+        key, sep, value = entry.partition("=")
+        if sep:
+            env[key] = value
+    return env
+
+
+def _has_sys_admin(caps: Any, what: str) -> bool:
+    """NVIDIA's privileged rule: CAP_SYS_ADMIN in the bounding set.
+
+    Specs before runtime-spec 1.0.0-rc5 carried a flat list instead of sets;
+    NVIDIA's hook accepts both (container_config.go GetCapabilities).
+    """
+    if caps is None:
+        return False
+    if isinstance(caps, list):
+        bounding = caps
+    elif isinstance(caps, dict):
+        bounding = strictjson.get_list(caps, "bounding", what=what)
+    else:
+        raise SpecError(f"{what}: process.capabilities must be an object, got {caps!r}")
+    return "CAP_SYS_ADMIN" in bounding
+
+
+def _parse_mount(entry: Any, what: str) -> MountSpec:
+    """One mounts[] object."""
+    if not isinstance(entry, dict):
+        raise SpecError(f"{what}: mounts entries must be objects, got {entry!r}")
+    return MountSpec(
+        destination=strictjson.get_str(entry, "destination", what=what),
+        source=strictjson.get_str(entry, "source", what=what, default=""),
+        type=strictjson.get_str(entry, "type", what=what, default=""),
+    )
+

@@ -1,0 +1,46 @@
+"""The OCI runtime state a hook reads on stdin (runtime-spec runtime.md "State")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from gpuhook.errors import SpecError
+from gpuhook.oci import strictjson
+
+#: podman adds every annotation to the state; 1 MiB leaves room and bounds memory.
+STATE_LIMIT: Final = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContainerState:
+    """What the runtime says about the container being created."""
+
+    id: str
+    pid: int | None
+    bundle: Path
+    status: str
+    annotations: tuple[tuple[str, str], ...] = ()
+
+
+def parse_state(data: bytes) -> ContainerState:
+    """Decode the state JSON (runc, crun, docker, podman forms)."""
+    what = "the OCI state on stdin"
+    obj = strictjson.loads_object(data, what=what, limit=STATE_LIMIT)
+    # Docker before 17.06 wrote "bundlePath"; NVIDIA's hook still accepts it.
+    bundle_key = "bundle" if "bundle" in obj else "bundlePath"
+    bundle = strictjson.get_str(obj, bundle_key, what=what)
+    if not bundle.startswith("/"):
+        raise SpecError(f"{what}: bundle {bundle!r} must be an absolute path")
+    container_id = strictjson.get_str(obj, "id", what=what, default="")
+    annotations = strictjson.get_obj(obj, "annotations", what=what)
+    if not all(isinstance(v, str) for v in annotations.values()):
+        raise SpecError(f"{what}: annotations must map strings to strings")
+    return ContainerState(
+        id=container_id,
+        pid=strictjson.get_int(obj, "pid", what=what) or None,
+        bundle=Path(bundle),
+        status=strictjson.get_str(obj, "status", what=what, default=""),
+        annotations=tuple(sorted(annotations.items())),
+    )

@@ -1,0 +1,86 @@
+"""Strict JSON decoding for input an attacker may shape.
+
+The standard ``json`` module lets duplicate keys win silently (the last one),
+accepts ``NaN``/``Infinity``, and treats ``true`` as an ``int`` for
+``isinstance``; security.md §3.4 lists each. Parsers here refuse all of them
+and raise ``SpecError`` naming the document.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from gpuhook.errors import SpecError
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """object_pairs_hook refusing a key that appears twice."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _no_constant(name: str) -> Any:
+    """parse_constant refusing NaN and the infinities."""
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def loads_object(data: bytes, *, what: str, limit: int) -> Mapping[str, Any]:
+    """Decode *data* as one JSON object of at most *limit* bytes."""
+    if len(data) > limit:
+        raise SpecError(f"{what} is {len(data)} bytes; the limit is {limit}")
+    try:
+        value = json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as err:
+        raise SpecError(f"{what} is not valid JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise SpecError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def get_str(obj: Mapping[str, Any], key: str, *, what: str, default: str | None = None) -> str:
+    """obj[key] as a string (or *default* when absent and a default is given)."""
+    if key not in obj and default is not None:
+        return default
+    value = obj.get(key)
+    if not isinstance(value, str):
+        raise SpecError(f"{what}: {key!r} must be a string, got {_kind(value)}")
+    return value
+
+
+def get_int(obj: Mapping[str, Any], key: str, *, what: str) -> int | None:
+    """obj[key] as a non-negative int (never a bool), or None when absent."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecError(f"{what}: {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def get_obj(obj: Mapping[str, Any], key: str, *, what: str) -> Mapping[str, Any]:
+    """obj[key] as an object; an absent key is an empty object."""
+    value = obj.get(key, {})
+    if not isinstance(value, dict):
+        raise SpecError(f"{what}: {key!r} must be an object, got {_kind(value)}")
+    return value
+
+
+def get_list(obj: Mapping[str, Any], key: str, *, what: str) -> list[Any]:
+    """obj[key] as a list; an absent key or null is an empty list."""
+    value = obj.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise SpecError(f"{what}: {key!r} must be a list, got {_kind(value)}")
+    return value
+
+
+def _kind(value: object) -> str:
+    """A JSON type name for messages."""
+    return "nothing" if value is None else type(value).__name__

@@ -1,0 +1,1 @@
+"""Planning: request + inventory → Plan. Pure: no I/O, no privileges, no logging."""

@@ -1,0 +1,29 @@
+"""Lexical rules for container paths (the privileged step resolves them safely)."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Final
+
+#: Debian-family multiarch directories, by `uname -m`.
+_MULTIARCH: Final = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu", "arm64": "aarch64-linux-gnu"}
+BIN_DIR: Final = "/usr/bin"
+
+
+def libs_dir(*, debian_like: bool, machine: str) -> str:
+    """Where driver libraries go: NVIDIA's rule (nvc_container.c copy_config).
+
+    A rootfs with /etc/debian_version gets the multiarch dir, anything else
+    /usr/lib64.
+    """
+    if debian_like and machine in _MULTIARCH:
+        return f"/usr/lib/{_MULTIARCH[machine]}"
+    return "/usr/lib64"
+
+
+def container_path(*parts: str) -> str:
+    """Join *parts* into an absolute, normalised container path; refuses '..' and NUL."""
+    path = PurePosixPath("/", *parts)
+    if ".." in path.parts or any("\0" in p for p in path.parts):
+        raise ValueError(f"container path {path} must not contain '..' or NUL")
+    return str(path)

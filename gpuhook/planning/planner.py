@@ -1,0 +1,161 @@
+"""make_plan: the heart of gpuhook, a pure function of the request and the inventory."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from gpuhook import catalog
+from gpuhook.errors import DiscoveryError
+from gpuhook.inventory import Gpu, HostDevice, Inventory, ProcDriver
+from gpuhook.planning.paths import BIN_DIR, container_path
+from gpuhook.planning.plan import (
+    BindMount,
+    CgroupRule,
+    DeviceNode,
+    Ldconfig,
+    Plan,
+    ProcDriverMount,
+    Skipped,
+    Symlink,
+)
+from gpuhook.planning.select import select_gpus
+from gpuhook.request.model import Capability, GpuRequest
+
+#: Development symlinks NVIDIA adds (nvc_mount.c symlink_libraries); SONAME links come from ldconfig.
+_DEV_SYMLINKS = (("libcuda.so", "libcuda.so.1"), ("libnvidia-opticalflow.so", "libnvidia-opticalflow.so.1"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    """Facts about the container that placement depends on."""
+
+    libs_dir: str
+    manage_cgroups: bool = True
+
+
+def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan:
+    """Everything to inject for *request*; raises RequestError/DiscoveryError."""
+    gpus = select_gpus(request, inventory.gpus)
+    caps = request.capabilities
+    skipped: list[Skipped] = []
+    devices = _control_devices(inventory, caps, skipped) + tuple(_gpu_device(inventory, g) for g in gpus)
+    libraries = _libraries(inventory, caps, target.libs_dir, skipped)
+    mounts = libraries + _binaries(inventory, caps, skipped) + _firmware(inventory, caps) + _ipc(inventory, caps)
+    mounted = {m.target for m in libraries}
+    symlinks = tuple(
+        Symlink(path=container_path(target.libs_dir, link), target=dest)
+        for link, dest in _DEV_SYMLINKS
+        if any(t.startswith(container_path(target.libs_dir, link) + ".") for t in mounted)
+    )
+    return Plan(
+        gpus=tuple(g.uuid for g in gpus),
+        devices=devices,
+        mounts=mounts,
+        symlinks=symlinks,
+        proc_driver=_proc_driver(inventory.proc_driver, gpus, skipped),
+        cgroup_rules=tuple(CgroupRule(major=d.major, minor=d.minor) for d in devices) if target.manage_cgroups else (),
+        ldconfig=Ldconfig(dirs=(target.libs_dir,)) if libraries else None,
+        skipped=tuple(skipped),
+    )
+
+
+def _node(device: HostDevice) -> DeviceNode:
+    """The container node for a host device, same name and numbers."""
+    return DeviceNode(path=container_path("dev", device.name), major=device.major, minor=device.minor)
+
+
+def _gpu_device(inventory: Inventory, gpu: Gpu) -> DeviceNode:
+    """/dev/nvidia<minor> for a selected GPU; its absence is a host error."""
+    node = inventory.gpu_node(gpu.minor)
+    if node is None:
+        raise DiscoveryError(
+            f"GPU {gpu.index} ({gpu.uuid}) has no device node nvidia{gpu.minor} under the dev root; "
+            f"create it with `nvidia-modprobe -c={gpu.minor}`"
+        )
+    return _node(node)
+
+
+def _control_devices(inventory: Inventory, caps: frozenset[Capability], skipped: list[Skipped]) -> tuple[DeviceNode, ...]:
+    """nvidiactl always; nvidia-uvm(-tools) with compute; nvidia-modeset with display."""
+    have = {n.name: n for n in inventory.control_nodes}
+    out = []
+    for name, needed_by in catalog.CONTROL_NODES.items():
+        if needed_by is not None and needed_by not in caps:
+            continue
+        if name in have:
+            out.append(_node(have[name]))
+        elif needed_by is None:
+            raise DiscoveryError(f"/dev/{name} is missing under the dev root; load the driver (nvidia-modprobe)")
+        else:
+            skipped.append(Skipped(what=f"/dev/{name}", reason="not present on the host"))
+    return tuple(out)
+
+
+def _libraries(
+    inventory: Inventory, caps: frozenset[Capability], libs_dir: str, skipped: list[Skipped]
+) -> tuple[BindMount, ...]:
+    """The driver libraries of *caps*, into the container's libs dir."""
+    out = []
+    for prefix in catalog.library_prefixes(caps):
+        found = [f for f in inventory.libraries if f.name.startswith(prefix + ".")]
+        if not found:
+            skipped.append(Skipped(what=prefix, reason="not in the driver's libraries"))
+        out += [BindMount(source=str(f.host_path), target=container_path(libs_dir, f.name)) for f in found]
+    return tuple(out)
+
+
+def _binaries(inventory: Inventory, caps: frozenset[Capability], skipped: list[Skipped]) -> tuple[BindMount, ...]:
+    """The driver binaries of *caps*, into /usr/bin."""
+    have = {f.name: f for f in inventory.binaries}
+    out = []
+    for name in catalog.binaries(caps):
+        if name in have:
+            out.append(BindMount(source=str(have[name].host_path), target=container_path(BIN_DIR, name)))
+        else:
+            skipped.append(Skipped(what=name, reason="not in the driver's binaries"))
+    return tuple(out)
+
+
+def _firmware(inventory: Inventory, caps: frozenset[Capability]) -> tuple[BindMount, ...]:
+    """GSP firmware at its host path, whenever any driver file is injected."""
+    if not caps:
+        return ()
+    return tuple(BindMount(source=str(f.host_path), target=container_path(f.name), noexec=True) for f in inventory.firmware)
+
+
+def _ipc(inventory: Inventory, caps: frozenset[Capability]) -> tuple[BindMount, ...]:
+    """Daemon sockets (persistenced, fabricmanager) for the capability that uses them."""
+    return tuple(
+        BindMount(source=str(f.host_path), target=container_path(f.name), noexec=True)
+        for f in inventory.ipc
+        if catalog.IPC_SOCKETS.get(f.name.lstrip("/")) in caps
+    )
+
+
+def _proc_driver(proc: ProcDriver | None, gpus: tuple[Gpu, ...], skipped: list[Skipped]) -> ProcDriverMount | None:
+    """The masked /proc/driver/nvidia, with the selected GPUs' directories."""
+    if proc is None:
+        skipped.append(Skipped(what="/proc/driver/nvidia", reason="the host has no /proc/driver/nvidia"))
+        return None
+    files = tuple((name, _no_device_file_changes(text) if name == "params" else text) for name, text in proc.files)
+    gpu_dirs = []
+    for gpu in gpus:
+        name = _proc_gpu_dir(gpu.pci_bus_id, proc.gpu_dirs)
+        if name is None:
+            skipped.append(Skipped(what=f"/proc/driver/nvidia/gpus for {gpu.uuid}", reason="not on the host"))
+        else:
+            gpu_dirs.append((str(proc.host_dir / "gpus" / name), name))
+    return ProcDriverMount(target="/proc/driver/nvidia", files=files, gpu_dirs=tuple(gpu_dirs))
+
+
+def _no_device_file_changes(params: str) -> str:
+    """params with ModifyDeviceFiles: 0, so NVML in the container never mknods."""
+    return re.sub(r"(?m)^ModifyDeviceFiles: *1$", "ModifyDeviceFiles: 0", params)
+
+
+def _proc_gpu_dir(bus_id: str, names: tuple[str, ...]) -> str | None:
+    """The gpus/ dir name for an NVML bus id: 32-bit domain form first, then 16-bit (as NVIDIA)."""
+    lowered = bus_id.lower()
+    short = lowered[4:] if len(lowered.split(":")[0]) == 8 else lowered
+    return next((n for n in (lowered, short) if n in names), None)

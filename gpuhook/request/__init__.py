@@ -1,0 +1,1 @@
+"""What the container asks for: NVIDIA_* variables and device-plugin mounts → GpuRequest."""

@@ -1,0 +1,83 @@
+"""Value types of a parsed GPU request."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Capability(enum.StrEnum):
+    """The NVIDIA_DRIVER_CAPABILITIES names (nvidia-toolkit.md §2.3)."""
+
+    COMPUTE = "compute"
+    COMPAT32 = "compat32"
+    GRAPHICS = "graphics"
+    UTILITY = "utility"
+    VIDEO = "video"
+    DISPLAY = "display"
+    NGX = "ngx"
+
+
+ALL_CAPABILITIES = frozenset(Capability)
+DEFAULT_CAPABILITIES = frozenset({Capability.UTILITY, Capability.COMPUTE})
+
+
+@dataclass(frozen=True, slots=True)
+class GpuIndex:
+    """A GPU by NVML enumeration index (``0``)."""
+
+    index: int
+
+    def __str__(self) -> str:
+        return str(self.index)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuUuid:
+    """A GPU by UUID (``GPU-…``); matched case-insensitively, full length."""
+
+    uuid: str
+
+    def __str__(self) -> str:
+        return self.uuid
+
+
+@dataclass(frozen=True, slots=True)
+class MigUuid:
+    """A MIG device by UUID (``MIG-…`` or the legacy ``MIG-GPU-<uuid>/<gi>/<ci>``)."""
+
+    uuid: str
+
+    def __str__(self) -> str:
+        return self.uuid
+
+
+@dataclass(frozen=True, slots=True)
+class MigIndex:
+    """The M-th MIG device of GPU G (``G:M``), in enumeration order."""
+
+    gpu: int
+    mig: int
+
+    def __str__(self) -> str:
+        return f"{self.gpu}:{self.mig}"
+
+
+DeviceId = GpuIndex | GpuUuid | MigUuid | MigIndex
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuRequest:
+    """A container's resolved request; ``all_devices`` or the listed ``devices``.
+
+    ``NVIDIA_VISIBLE_DEVICES=none`` is a request with no devices: the driver's
+    files and control nodes are injected, no ``/dev/nvidiaN``.
+    """
+
+    all_devices: bool
+    devices: tuple[DeviceId, ...]
+    capabilities: frozenset[Capability]
+    requirements: tuple[str, ...] = ()
+    source: str = "NVIDIA_VISIBLE_DEVICES"
+    #: the raw value the devices came from, for error messages
+    raw: str = ""
