@@ -1,0 +1,57 @@
+"""Config loading: the shipped file, the lookup order, and refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpuhook.config import DEFAULT_PATH, Config, load_config, parse_config, resolve_config_path
+from gpuhook.errors import ConfigError
+
+SHIPPED = Path(__file__).parents[2] / "config" / "gpuhook.yaml"
+
+
+def test_shipped_config_is_the_defaults() -> None:
+    """config/gpuhook.yaml documents exactly the built-in defaults, so it cannot rot."""
+    assert load_config(SHIPPED, required=True) == Config()
+
+
+def test_lookup_order() -> None:
+    """--config beats $GPUHOOK_CONFIG beats the default path; only the default may be absent."""
+    assert resolve_config_path("/a.yaml", {"GPUHOOK_CONFIG": "/b.yaml"}) == (Path("/a.yaml"), True)
+    assert resolve_config_path(None, {"GPUHOOK_CONFIG": "/b.yaml"}) == (Path("/b.yaml"), True)
+    assert resolve_config_path(None, {}) == (DEFAULT_PATH, False)
+
+
+def test_missing_files(tmp_path: Path) -> None:
+    """An explicit missing file is an error; a missing default gives the defaults."""
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml", required=True)
+    assert load_config(tmp_path / "nope.yaml", required=False) == Config()
+
+
+def test_values_are_converted() -> None:
+    """Paths become Paths, null log_file disables the log."""
+    config = parse_config("driver_root: /run/nvidia/driver\nlog_file: null\nno_cgroups: true\n")
+    assert config.driver_root == Path("/run/nvidia/driver")
+    assert config.log_file is None
+    assert config.no_cgroups is True
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param("driver_rot: /\n", "unknown setting.*driver_rot", id="typo"),
+        pytest.param("driver_root: relative\n", "driver_root must be an absolute path", id="relative"),
+        pytest.param("no_cgroups: 'yes'\n", "no_cgroups must be true or false", id="string-bool"),
+        pytest.param("log_level: loud\n", "log_level must be one of", id="level"),
+        pytest.param("timeout_seconds: 0\n", "timeout_seconds", id="timeout"),
+        pytest.param("- a\n", "expected a mapping", id="list"),
+        pytest.param("a: [\n", "not valid YAML", id="yaml"),
+    ],
+)
+def test_refusals(text: str, message: str) -> None:
+    """Bad settings are refused with a message naming the key and the expectation."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(text)

@@ -1,0 +1,158 @@
+"""make_plan: the pure heart, on hand-built inventories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpuhook.errors import DiscoveryError, UnknownDeviceError
+from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, ProcDriver
+from gpuhook.planning.paths import container_path, libs_dir
+from gpuhook.planning.planner import Target, make_plan
+from gpuhook.request.model import ALL_CAPABILITIES, Capability, GpuIndex, GpuRequest, GpuUuid, MigIndex
+
+VER = "550.54.15"
+LIBS = "/usr/lib/x86_64-linux-gnu"
+TARGET = Target(libs_dir=LIBS)
+
+
+def _gpu(i: int) -> Gpu:
+    """GPU i with minor i."""
+    return Gpu(index=i, uuid=f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd", minor=i,
+               pci_bus_id=f"00000000:{0x17 + i:02X}:00.0", model="NVIDIA H100 80GB HBM3")
+
+
+def _dev(name: str, major: int, minor: int) -> HostDevice:
+    """A host node under /host/dev."""
+    return HostDevice(name=name, host_path=Path("/host/dev", name), major=major, minor=minor)
+
+
+def _file(name: str) -> DriverFile:
+    """A host driver file."""
+    return DriverFile(name=name, host_path=Path("/host/lib", name))
+
+
+def inventory(gpus: int = 4) -> Inventory:
+    """A 4-GPU host with the usual driver files."""
+    return Inventory(
+        driver_version=VER, cuda_version="12.4",
+        gpus=tuple(_gpu(i) for i in range(gpus)),
+        gpu_nodes=tuple(_dev(f"nvidia{i}", 195, i) for i in range(gpus)),
+        control_nodes=(_dev("nvidiactl", 195, 255), _dev("nvidia-uvm", 511, 0), _dev("nvidia-uvm-tools", 511, 1),
+                       _dev("nvidia-modeset", 195, 254)),
+        libraries=tuple(_file(f"{p}.{VER}") for p in ("libcuda.so", "libnvidia-ml.so", "libnvidia-encode.so",
+                                                      "libGLX_nvidia.so", "libnvidia-ptxjitcompiler.so")),
+        binaries=(_file("nvidia-smi"), _file("nvidia-cuda-mps-control")),
+        firmware=(DriverFile(name=f"/lib/firmware/nvidia/{VER}/gsp_ga10x.bin", host_path=Path("/host/fw")),),
+        ipc=(DriverFile(name="/run/nvidia-persistenced/socket", host_path=Path("/host/sock")),),
+        proc_driver=ProcDriver(host_dir=Path("/host/proc/driver/nvidia"),
+                               files=(("params", "EnableMSI: 1\nModifyDeviceFiles: 1\n"), ("version", "NVRM")),
+                               gpu_dirs=("0000:18:00.0", "0000:1a:00.0")),
+    )
+
+
+def req(*devices, caps=frozenset({Capability.COMPUTE, Capability.UTILITY}), all_devices=False) -> GpuRequest:  # type: ignore[no-untyped-def]
+    """A request as the parser would make it."""
+    return GpuRequest(all_devices=all_devices, devices=tuple(devices), capabilities=frozenset(caps), raw="x")
+
+
+def test_two_gpus_compute_utility() -> None:
+    """GPUs 1 and 3: their nodes, the control nodes, compute+utility files, exact cgroup rules."""
+    plan = make_plan(req(GpuIndex(1), GpuIndex(3)), inventory(), TARGET)
+    assert [d.path for d in plan.devices] == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
+                                              "/dev/nvidia1", "/dev/nvidia3"]
+    assert [str(r) for r in plan.cgroup_rules] == ["c 195:255 rw", "c 511:0 rw", "c 511:1 rw", "c 195:1 rw", "c 195:3 rw"]
+    targets = {m.target for m in plan.mounts}
+    assert {f"{LIBS}/libcuda.so.{VER}", f"{LIBS}/libnvidia-ml.so.{VER}", "/usr/bin/nvidia-smi",
+            "/usr/bin/nvidia-cuda-mps-control", f"/lib/firmware/nvidia/{VER}/gsp_ga10x.bin",
+            "/run/nvidia-persistenced/socket"} <= targets
+    assert f"{LIBS}/libnvidia-encode.so.{VER}" not in targets  # video only
+    assert f"{LIBS}/libGLX_nvidia.so.{VER}" not in targets  # graphics only
+    assert plan.ldconfig is not None and plan.ldconfig.dirs == (LIBS,)
+    assert [(s.path, s.target) for s in plan.symlinks] == [(f"{LIBS}/libcuda.so", "libcuda.so.1")]
+    assert plan.gpus == (_gpu(1).uuid, _gpu(3).uuid)
+
+
+def test_proc_driver_is_masked_and_per_gpu() -> None:
+    """ModifyDeviceFiles becomes 0; only the selected GPUs' proc dirs are bound (32-bit domain→16-bit)."""
+    plan = make_plan(req(GpuIndex(1), GpuIndex(3)), inventory(), TARGET)
+    assert plan.proc_driver is not None
+    assert dict(plan.proc_driver.files)["params"] == "EnableMSI: 1\nModifyDeviceFiles: 0\n"
+    assert [name for _, name in plan.proc_driver.gpu_dirs] == ["0000:18:00.0", "0000:1a:00.0"]
+
+
+def test_none_injects_the_driver_without_gpus() -> None:
+    """NVIDIA_VISIBLE_DEVICES=none: control nodes and libraries, no /dev/nvidiaN."""
+    plan = make_plan(req(), inventory(), TARGET)
+    assert not any(d.path.startswith("/dev/nvidia") and d.path[11:].isdigit() for d in plan.devices)
+    assert plan.mounts and plan.gpus == ()
+
+
+def test_all_and_uuid_selection() -> None:
+    """all selects every GPU; a UUID matches case-insensitively."""
+    assert len(make_plan(req(all_devices=True), inventory(), TARGET).gpus) == 4
+    plan = make_plan(req(GpuUuid("GPU-" + _gpu(2).uuid[4:].upper())), inventory(), TARGET)
+    assert plan.gpus == (_gpu(2).uuid,)
+
+
+def test_video_implies_compute_libs_and_display_implies_graphics() -> None:
+    """libnvidia-container's implied sets."""
+    video = {m.target for m in make_plan(req(caps={Capability.VIDEO}), inventory(), TARGET).mounts}
+    assert f"{LIBS}/libcuda.so.{VER}" in video and f"{LIBS}/libnvidia-encode.so.{VER}" in video
+    display = make_plan(req(caps={Capability.DISPLAY}), inventory(), TARGET)
+    assert f"{LIBS}/libGLX_nvidia.so.{VER}" in {m.target for m in display.mounts}
+    assert "/dev/nvidia-modeset" in {d.path for d in display.devices}
+
+
+def test_unknown_index_names_it_and_lists_what_exists() -> None:
+    """NVIDIA_VISIBLE_DEVICES=9 on a 4-GPU host."""
+    with pytest.raises(UnknownDeviceError) as excinfo:
+        make_plan(req(GpuIndex(9)), inventory(), TARGET)
+    message = str(excinfo.value)
+    assert "no GPU with index 9" in message and "it has 4 GPUs" in message and _gpu(3).uuid in message
+
+
+def test_mig_on_a_host_without_mig() -> None:
+    """A MIG index is refused with a clear reason when the host has no MIG devices."""
+    with pytest.raises(UnknownDeviceError, match="no MIG device 0:1"):
+        make_plan(req(MigIndex(0, 1)), inventory(), TARGET)
+
+
+def test_missing_gpu_node_and_control_node_are_host_errors() -> None:
+    """A selected GPU without its node, or no nvidiactl, is a DiscoveryError with the fix."""
+    inv = inventory()
+    no_node = Inventory(**{**_fields(inv), "gpu_nodes": inv.gpu_nodes[:1]})
+    with pytest.raises(DiscoveryError, match="nvidia-modprobe -c=1"):
+        make_plan(req(GpuIndex(1)), no_node, TARGET)
+    no_ctl = Inventory(**{**_fields(inv), "control_nodes": ()})
+    with pytest.raises(DiscoveryError, match="/dev/nvidiactl is missing"):
+        make_plan(req(GpuIndex(0)), no_ctl, TARGET)
+
+
+def test_missing_optional_items_are_skipped_as_data() -> None:
+    """Absent optional libraries and nodes become Skipped entries, not silence."""
+    inv = inventory()
+    plan = make_plan(req(GpuIndex(0), caps=ALL_CAPABILITIES), Inventory(**{**_fields(inv), "proc_driver": None}), TARGET)
+    skipped = {s.what for s in plan.skipped}
+    assert {"libnvidia-ngx.so", "nvidia-debugdump", "/proc/driver/nvidia"} <= skipped
+
+
+def test_cgroups_can_be_left_to_the_runtime() -> None:
+    """no_cgroups: nodes are still created, no rules planned."""
+    plan = make_plan(req(GpuIndex(0)), inventory(), Target(libs_dir=LIBS, manage_cgroups=False))
+    assert plan.devices and plan.cgroup_rules == ()
+
+
+def test_libs_dir_rule_and_container_paths() -> None:
+    """Debian-like rootfs → multiarch dir, else /usr/lib64; '..' is refused."""
+    assert libs_dir(debian_like=True, machine="x86_64") == LIBS
+    assert libs_dir(debian_like=False, machine="x86_64") == "/usr/lib64"
+    assert container_path("usr/bin", "nvidia-smi") == "/usr/bin/nvidia-smi"
+    with pytest.raises(ValueError, match=r"\.\."):
+        container_path("usr/lib", "../../etc/shadow")
+
+
+def _fields(inv: Inventory) -> dict[str, object]:
+    """An inventory's fields, to copy with changes."""
+    return {name: getattr(inv, name) for name in inv.__dataclass_fields__}
