@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import posixpath
 import stat
 from collections.abc import Callable
 from pathlib import PurePosixPath
@@ -25,6 +26,7 @@ from gpuhook.errors import ApplyError
 
 _IN_ROOT: Final = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
 _RUNTIME_OWNED: Final = ("dev", "proc")
+_MAX_STEPS: Final = 64
 
 
 def _resolve_flags(path: str) -> int:
@@ -43,8 +45,8 @@ class RootFs:
     # -- lookups ---------------------------------------------------------------------------------
 
     def open(self, path: str, flags: int = os.O_PATH) -> int:
-        """Open the container *path* inside the root; raises OSError."""
-        return linux.openat2(self.root_fd, path.lstrip("/") or ".", flags | os.O_NOFOLLOW, _resolve_flags(path))
+        """Open the container *path* inside the root (symlinks followed, confined); raises OSError."""
+        return linux.openat2(self.root_fd, path.lstrip("/") or ".", flags, _resolve_flags(path))
 
     def try_open(self, path: str, flags: int = os.O_PATH) -> int | None:
         """Like open(), but None when the path does not exist."""
@@ -54,30 +56,42 @@ class RootFs:
             return None
 
     def directory(self, path: str) -> int:
-        """An O_PATH fd of the directory *path*, creating missing components (mode 0755)."""
-        parts = PurePosixPath(path).parts[1:]
-        existing = len(parts)
-        fd = None
-        while fd is None:
-            prefix = "/" + "/".join(parts[:existing])
-            try:
-                fd = self.open(prefix, os.O_PATH | os.O_DIRECTORY)
-            except FileNotFoundError:
-                existing -= 1
-            except OSError as err:
-                raise ApplyError("open directory", prefix, errno_=err.errno) from err
-        for depth in range(existing, len(parts)):
-            fd = self._mkdir(fd, parts[depth], "/" + "/".join(parts[: depth + 1]))
-        return fd
+        """An O_PATH fd of the directory *path*, creating missing components (mode 0755).
 
-    def _mkdir(self, parent_fd: int, name: str, shown: str) -> int:
-        """mkdirat one component and open it without following symlinks."""
+        A dangling symlink on the way is followed inside the root and the
+        directories it names are created there (runc's MkdirAllInRoot), so an
+        image's absolute symlink can never lead outside the rootfs.
+        """
+        for _ in range(_MAX_STEPS):
+            try:
+                return self.open(path, os.O_PATH | os.O_DIRECTORY)
+            except FileNotFoundError:
+                path = self._create_next(path)
+            except OSError as err:
+                raise ApplyError("open directory", path, errno_=err.errno) from err
+        raise ApplyError("open directory", path, detail="too many missing components or symlinks")
+
+    def _create_next(self, path: str) -> str:
+        """Create the first missing component of *path*; returns the path to retry."""
+        parts = PurePosixPath(path).parts[1:]
+        depth = len(parts) - 1
+        while depth > 0 and self.try_open("/" + "/".join(parts[:depth]), os.O_PATH | os.O_DIRECTORY) is None:
+            depth -= 1
+        parent = "/" + "/".join(parts[:depth])
+        parent_fd = self.open(parent, os.O_PATH | os.O_DIRECTORY)
+        name = parts[depth]
         try:
             os.mkdir(name, 0o755, dir_fd=parent_fd)
+        except FileExistsError:
+            # Present but unopenable: a dangling symlink. Continue from its target, inside the root.
+            target = os.readlink(name, dir_fd=parent_fd)
+            rest = parts[depth + 1 :]
+            base = PurePosixPath(target) if target.startswith("/") else PurePosixPath(parent, target)
+            return posixpath.normpath(str(PurePosixPath("/", base, *rest)))
         except OSError as err:
-            raise ApplyError("mkdir", shown, errno_=err.errno) from err
-        self._record(f"rmdir {shown}", lambda: os.rmdir(name, dir_fd=parent_fd))
-        return linux.openat2(parent_fd, name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, linux.RESOLVE_NO_SYMLINKS)
+            raise ApplyError("mkdir", f"{parent.rstrip('/')}/{name}", errno_=err.errno) from err
+        self._record(f"rmdir {parent.rstrip('/')}/{name}", lambda: os.rmdir(name, dir_fd=parent_fd))
+        return path
 
     # -- changes ---------------------------------------------------------------------------------
 
@@ -154,7 +168,7 @@ class RootFs:
             raise ApplyError("mount", path, errno_=err.errno) from err
         self._record(f"umount {path}", lambda: self._umount(path))
         # Re-resolve from the root: the object now at *path* must be the mounted host file.
-        check = self.open(path)
+        check = self.open(path, os.O_PATH | os.O_NOFOLLOW)
         try:
             got = os.fstat(check)
         finally:
@@ -164,7 +178,7 @@ class RootFs:
 
     def _umount(self, path: str) -> None:
         """Detach the top mount at *path* (through a fresh in-root fd)."""
-        fd = self.open(path)
+        fd = self.open(path, os.O_PATH | os.O_NOFOLLOW)
         try:
             linux.umount_detach(f"/proc/self/fd/{fd}")
         finally:

@@ -1,0 +1,1 @@
+"""Integration-test support for gpuhook (simulated hosts, harnesses)."""

@@ -1,0 +1,23 @@
+"""A simulated NVIDIA GPU host: driver libraries, mock NVML, /dev and /proc in one directory.
+
+gpuhook reaches it through its ordinary settings: driver_root, dev_root and
+proc_root all point at the host's directory (see FakeHost.config_path).
+"""
+
+from .builder import DEFAULT_CUDA, DEFAULT_DRIVER, DEFAULT_MODEL, FakeHost, FakeHostError, create_host
+from .models import KNOWN_MODELS, FakeGpu
+from .native import DRIVER_LIBRARIES, BuildError, DriverLibrary
+
+__all__ = [
+    "DEFAULT_CUDA",
+    "DEFAULT_DRIVER",
+    "DEFAULT_MODEL",
+    "DRIVER_LIBRARIES",
+    "KNOWN_MODELS",
+    "BuildError",
+    "DriverLibrary",
+    "FakeGpu",
+    "FakeHost",
+    "FakeHostError",
+    "create_host",
+]

@@ -1,0 +1,235 @@
+"""Builds a simulated NVIDIA GPU host in a directory (see create_host)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import native, texts
+from .models import (
+    FakeGpu,
+    encode_cuda_version,
+    lookup_model,
+    make_gpus,
+    render_topology,
+    validate_driver_version,
+    validate_model_name,
+)
+
+DEFAULT_DRIVER = "550.54.15"
+DEFAULT_CUDA = "12.4"
+DEFAULT_MODEL = "NVIDIA H100 80GB HBM3"
+
+_TOOLS = ("nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
+_FIRMWARE = ("gsp_ga10x.bin", "gsp_tu10x.bin")
+# sun_path holds 108 bytes; longer socket paths are bound via /proc/self/fd.
+_SUN_PATH_MAX = 107
+
+
+class FakeHostError(Exception):
+    """The simulated host cannot be built as asked."""
+
+
+@dataclass(frozen=True, slots=True)
+class FakeHost:
+    """A built simulated GPU host; paths are absolute."""
+
+    root: Path
+    config_path: Path
+    driver_version: str
+    cuda_version: str
+    model: str
+    gpus: tuple[FakeGpu, ...]
+    uvm_major: int
+    caps_major: int
+    nvidia_major: int
+
+    @property
+    def cuda_driver_version(self) -> int:
+        """The CUDA version as NVML reports it (12.4 -> 12040)."""
+        return encode_cuda_version(self.cuda_version)
+
+    @property
+    def lib_dir(self) -> Path:
+        """Where the driver libraries live."""
+        return self.root / native.LIB_DIR
+
+    @property
+    def nvml_library(self) -> Path:
+        """The versioned mock NVML, e.g. .../libnvidia-ml.so.550.54.15."""
+        return self.lib_dir / native.NVML_LIBRARY.file_name(self.driver_version)
+
+    @property
+    def ld_cache(self) -> Path:
+        """The host's ld.so.cache (paths in it are relative to root)."""
+        return self.root / "etc" / "ld.so.cache"
+
+    @property
+    def topology_path(self) -> Path:
+        """The file the mock NVML answers from."""
+        return self.root / "etc" / "mock-nvml" / "topology"
+
+    @property
+    def calls_log_path(self) -> Path:
+        """Where the mock NVML appends '<pid> <calls>' lines."""
+        return self.root / "etc" / "mock-nvml" / "calls.log"
+
+    def nvml_calls(self) -> list[tuple[int, int]]:
+        """The (pid, calls) lines logged so far; empty means no NVML call was made."""
+        lines = self.calls_log_path.read_text().split()
+        return [(int(pid), int(count)) for pid, count in zip(lines[0::2], lines[1::2], strict=True)]
+
+
+def _write(path: Path, content: str | bytes, mode: int = 0o644) -> None:
+    """Writes a file (creating parents) with an exact mode, umask notwithstanding."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, str):
+        path.write_text(content)
+    else:
+        path.write_bytes(content)
+    path.chmod(mode)
+
+
+def _mknod(path: Path, major: int, minor: int) -> None:
+    """Creates a 0666 character device node, as the NVIDIA driver does."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(major, minor))
+    path.chmod(0o666)
+
+
+def _make_socket(path: Path) -> None:
+    """Leaves a unix socket inode at path, like a running nvidia-persistenced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+            sock.bind(str(path))
+            return
+        # Deep temporary directories overflow sun_path; naming the parent
+        # through a short /proc/self/fd link avoids a process-wide chdir.
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            sock.bind(f"/proc/self/fd/{dir_fd}/{path.name}")
+        finally:
+            os.close(dir_fd)
+
+
+def _prepare_root(root: Path) -> bool:
+    """Checks root is absent or an empty directory; returns whether it existed."""
+    if not root.exists():
+        root.mkdir(parents=True)
+        return False
+    if not root.is_dir():
+        raise FakeHostError(f"{root} exists and is not a directory")
+    if any(root.iterdir()):
+        raise FakeHostError(
+            f"{root} is not empty; a simulated GPU host is only created in a new or empty directory"
+        )
+    return True
+
+
+def _discard(root: Path, existed: bool) -> None:
+    """Removes what a failed build left, keeping a directory the caller made."""
+    if not existed:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    for child in root.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink()
+
+
+def _write_driver_files(host: FakeHost) -> None:
+    """Tools, firmware and the mock NVML's topology and call log."""
+    root, driver = host.root, host.driver_version
+    _write(root / "usr/bin/nvidia-smi", texts.nvidia_smi_script(driver, host.cuda_version, host.gpus), 0o755)
+    for tool in _TOOLS:
+        _write(root / "usr/bin" / tool, texts.tool_script(tool, driver), 0o755)
+    for firmware in _FIRMWARE:
+        _write(
+            root / "lib/firmware/nvidia" / driver / firmware, f"simulated GSP firmware {firmware} {driver}\n"
+        )
+    _write(host.topology_path, render_topology(driver, host.cuda_version, host.gpus))
+    # World-writable so that unprivileged processes under test can log too.
+    _write(host.calls_log_path, "", 0o666)
+
+
+def _write_devices(host: FakeHost) -> None:
+    """The /dev nodes the driver creates (ModifyDeviceFiles: 1)."""
+    dev = host.root / "dev"
+    for gpu in host.gpus:
+        _mknod(dev / f"nvidia{gpu.minor}", host.nvidia_major, gpu.minor)
+    _mknod(dev / "nvidiactl", host.nvidia_major, texts.NVIDIACTL_MINOR)
+    _mknod(dev / "nvidia-modeset", host.nvidia_major, texts.MODESET_MINOR)
+    _mknod(dev / "nvidia-uvm", host.uvm_major, 0)
+    _mknod(dev / "nvidia-uvm-tools", host.uvm_major, 1)
+
+
+def _write_procfs(host: FakeHost) -> None:
+    """The procfs files the kernel and the NVIDIA module expose."""
+    proc = host.root / "proc"
+    nvidia = proc / "driver" / "nvidia"
+    _write(proc / "devices", texts.proc_devices(), 0o444)
+    _write(nvidia / "version", texts.proc_version(host.driver_version), 0o444)
+    _write(nvidia / "params", texts.proc_params(), 0o444)
+    _write(nvidia / "registry", texts.proc_registry(), 0o444)
+    for gpu in host.gpus:
+        info = texts.proc_gpu_information(gpu, host.driver_version)
+        _write(nvidia / "gpus" / gpu.proc_bus_id / "information", info, 0o444)
+    # MIG capability files will go here once MIG is simulated.
+    (nvidia / "capabilities").mkdir(parents=True)
+
+
+def _build(host: FakeHost) -> None:
+    """Lays out every part of the host under host.root."""
+    native.build_libraries(host.root, host.driver_version)
+    native.run_ldconfig(host.root)
+    _write_driver_files(host)
+    _write_devices(host)
+    _write_procfs(host)
+    _make_socket(host.root / "run" / "nvidia-persistenced" / "socket")
+    _write(host.config_path, texts.gpuhook_config(host.root))
+
+
+def create_host(
+    dir: Path,
+    *,
+    gpus: int,
+    driver: str = DEFAULT_DRIVER,
+    cuda: str = DEFAULT_CUDA,
+    model: str = DEFAULT_MODEL,
+) -> FakeHost:
+    """Builds a simulated GPU host in dir, which must be new or empty."""
+    try:
+        validate_driver_version(driver)
+        encode_cuda_version(cuda)
+        validate_model_name(model)
+        devices = make_gpus(gpus, driver, lookup_model(model))
+    except ValueError as error:
+        raise FakeHostError(str(error)) from error
+    if os.geteuid() != 0:
+        # mknod needs CAP_MKNOD and ldconfig -r needs chroot.
+        raise FakeHostError("building a simulated GPU host needs root (device nodes, ldconfig -r)")
+    root = Path(dir).resolve()
+    host = FakeHost(
+        root=root,
+        config_path=root / "gpuhook.yaml",
+        driver_version=driver,
+        cuda_version=cuda,
+        model=model,
+        gpus=devices,
+        uvm_major=texts.UVM_MAJOR,
+        caps_major=texts.CAPS_MAJOR,
+        nvidia_major=texts.NVIDIA_MAJOR,
+    )
+    existed = _prepare_root(root)
+    try:
+        _build(host)
+    except BaseException:
+        _discard(root, existed)
+        raise
+    return host

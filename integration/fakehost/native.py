@@ -1,0 +1,181 @@
+"""The driver's shared libraries: what exists, and building them with gcc."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+LIB_DIR = "usr/lib/x86_64-linux-gnu"
+MOCK_NVML_SOURCE = Path(__file__).with_name("mocknvml.c")
+
+# Marks a SONAME whose suffix is the full driver version (libnvidia-glcore.so.550.54.15).
+VER = "VER"
+
+
+@dataclass(frozen=True, slots=True)
+class DriverLibrary:
+    """One of NVIDIA's user-space libraries and the capability it serves."""
+
+    capability: str
+    base: str  # e.g. libcuda
+    soname_suffix: str  # "1", or VER for the driver version
+
+    def soname(self, driver: str) -> str:
+        """The SONAME, e.g. libcuda.so.1."""
+        suffix = driver if self.soname_suffix == VER else self.soname_suffix
+        return f"{self.base}.so.{suffix}"
+
+    def file_name(self, driver: str) -> str:
+        """The versioned file the driver installs, e.g. libcuda.so.550.54.15."""
+        return f"{self.base}.so.{driver}"
+
+    @property
+    def marker_symbol(self) -> str:
+        """The one function the placeholder exports; it returns 'VER SONAME'."""
+        return "fakehost_" + re.sub(r"[^A-Za-z0-9]", "_", self.base)
+
+
+def _libs(capability: str, *entries: tuple[str, str]) -> tuple[DriverLibrary, ...]:
+    """Tabulates one capability's libraries."""
+    return tuple(DriverLibrary(capability, base, suffix) for base, suffix in entries)
+
+
+# The libraries an NVIDIA driver install provides, by NVIDIA_DRIVER_CAPABILITIES.
+DRIVER_LIBRARIES: tuple[DriverLibrary, ...] = (
+    *_libs("utility", ("libnvidia-ml", "1"), ("libnvidia-cfg", "1")),
+    *_libs(
+        "compute",
+        ("libcuda", "1"),
+        ("libcudadebugger", "1"),
+        ("libnvidia-opencl", "1"),
+        ("libnvidia-gpucomp", VER),
+        ("libnvidia-ptxjitcompiler", "1"),
+        ("libnvidia-allocator", "1"),
+        ("libnvidia-pkcs11", VER),
+        ("libnvidia-pkcs11-openssl3", VER),
+        ("libnvidia-nvvm", "4"),
+    ),
+    *_libs(
+        "video",
+        ("libvdpau_nvidia", "1"),
+        ("libnvidia-encode", "1"),
+        ("libnvidia-opticalflow", "1"),
+        ("libnvcuvid", "1"),
+    ),
+    *_libs(
+        "graphics",
+        ("libnvidia-eglcore", VER),
+        ("libnvidia-glcore", VER),
+        ("libnvidia-tls", VER),
+        ("libnvidia-glsi", VER),
+        ("libnvidia-fbc", "1"),
+        ("libnvidia-rtcore", VER),
+        ("libnvoptix", "1"),
+        ("libGLX_nvidia", "0"),
+        ("libEGL_nvidia", "0"),
+        ("libGLESv2_nvidia", "2"),
+        ("libGLESv1_CM_nvidia", "1"),
+        ("libnvidia-glvkspirv", VER),
+    ),
+    *_libs("ngx", ("libnvidia-ngx", "1")),
+)
+
+NVML_LIBRARY = DRIVER_LIBRARIES[0]
+
+_MOCK_NVML_FLAGS = (
+    "-std=c11",
+    "-O2",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-fvisibility=hidden",
+    "-pthread",
+    # Fail the build, not the dlopen, if a libc symbol is missing.
+    "-Wl,-z,defs",
+)
+
+
+class BuildError(RuntimeError):
+    """A compiler or ldconfig run failed."""
+
+
+def _run(argv: list[str], stdin: str | None = None) -> None:
+    """Runs a build tool, turning failure into a BuildError with its output."""
+    result = subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise BuildError(f"{' '.join(argv)} failed ({result.returncode}):\n{result.stderr}{result.stdout}")
+
+
+def _gcc() -> str:
+    """Finds gcc, failing with a message that says what is missing."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise BuildError("gcc is required to build the simulated driver libraries")
+    return gcc
+
+
+def _placeholder_source(lib: DriverLibrary, driver: str) -> str:
+    """C source of a placeholder library: one function naming what it stands for."""
+    return (
+        f"/* Placeholder for NVIDIA's {lib.file_name(driver)} on a simulated GPU host. */\n"
+        f'const char *{lib.marker_symbol}(void) {{ return "{driver} {lib.soname(driver)}"; }}\n'
+    )
+
+
+def _build_placeholder(gcc: str, lib: DriverLibrary, driver: str, lib_dir: Path) -> None:
+    """Compiles one placeholder library from source on stdin."""
+    out = lib_dir / lib.file_name(driver)
+    argv = [gcc, "-shared", "-fPIC", f"-Wl,-soname,{lib.soname(driver)}", "-o", str(out), "-x", "c", "-"]
+    _run(argv, stdin=_placeholder_source(lib, driver))
+
+
+def _build_mock_nvml(gcc: str, driver: str, lib_dir: Path) -> None:
+    """Compiles mocknvml.c as the driver's libnvidia-ml."""
+    out = lib_dir / NVML_LIBRARY.file_name(driver)
+    soname = NVML_LIBRARY.soname(driver)
+    _run(
+        [
+            gcc,
+            *_MOCK_NVML_FLAGS,
+            "-shared",
+            "-fPIC",
+            f"-Wl,-soname,{soname}",
+            "-o",
+            str(out),
+            str(MOCK_NVML_SOURCE),
+        ]
+    )
+
+
+def build_libraries(root: Path, driver: str) -> None:
+    """Builds every driver library into root's lib dir, in parallel."""
+    gcc = _gcc()
+    lib_dir = root / LIB_DIR
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    # One gcc per library is ~25 ms of mostly process start-up; running them
+    # side by side keeps a whole host build well under a second.
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(_build_mock_nvml, gcc, driver, lib_dir)]
+        futures += [
+            pool.submit(_build_placeholder, gcc, lib, driver, lib_dir)
+            for lib in DRIVER_LIBRARIES
+            if lib != NVML_LIBRARY
+        ]
+        for future in futures:
+            future.result()
+
+
+def run_ldconfig(root: Path) -> None:
+    """Writes root/etc/ld.so.cache and the SONAME links, as the driver installer would."""
+    (root / "etc").mkdir(parents=True, exist_ok=True)
+    (root / "etc" / "ld.so.conf").write_text(f"/{LIB_DIR}\n")
+    ldconfig = "/sbin/ldconfig" if Path("/sbin/ldconfig").exists() else shutil.which("ldconfig")
+    if ldconfig is None:
+        raise BuildError("ldconfig is required to build the simulated host's ld.so.cache")
+    # -r makes ldconfig chroot into root, so the cache records root-relative paths.
+    _run([ldconfig, "-r", str(root)])

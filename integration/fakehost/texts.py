@@ -1,0 +1,226 @@
+"""Text contents of the simulated host: procfs files, tool scripts, config."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from .models import FakeGpu
+
+NVIDIA_MAJOR = 195
+NVIDIACTL_MINOR = 255
+MODESET_MINOR = 254
+# Dynamic majors are handed out downwards from 511; NVIDIA's modules load
+# late, so on real hosts they usually get the highest ones.
+UVM_MAJOR = 511
+CAPS_MAJOR = 510
+
+# A plausible kernel-module build stamp; nothing parses it.
+_BUILD_DATE = "Tue Mar  5 22:23:56 UTC 2024"
+_GCC = "gcc version 12.2.0 (Debian 12.2.0-14) "
+
+_CHAR_DEVICES = (
+    (1, "mem"),
+    (4, "/dev/vc/0"),
+    (4, "tty"),
+    (4, "ttyS"),
+    (5, "/dev/tty"),
+    (5, "/dev/console"),
+    (5, "/dev/ptmx"),
+    (7, "vcs"),
+    (10, "misc"),
+    (13, "input"),
+    (29, "fb"),
+    (128, "ptm"),
+    (136, "pts"),
+    (180, "usb"),
+    (189, "usb_device"),
+    (NVIDIA_MAJOR, "nvidia-frontend"),
+    (202, "cpu/msr"),
+    (203, "cpu/cpuid"),
+    (226, "drm"),
+    (238, "aux"),
+    (240, "infiniband_verbs"),
+    (241, "nvme-generic"),
+    (242, "nvme"),
+    (243, "hidraw"),
+    (244, "ipmidev"),
+    (245, "bsg"),
+    (246, "watchdog"),
+    (247, "ptp"),
+    (248, "pps"),
+    (249, "rtc"),
+    (250, "dax"),
+    (251, "tpm"),
+    (252, "gpiochip"),
+    (CAPS_MAJOR, "nvidia-caps"),
+    (UVM_MAJOR, "nvidia-uvm"),
+)
+
+_BLOCK_DEVICES = (
+    (7, "loop"),
+    (8, "sd"),
+    (9, "md"),
+    (11, "sr"),
+    (65, "sd"),
+    (66, "sd"),
+    (128, "sd"),
+    (253, "device-mapper"),
+    (254, "mdp"),
+    (259, "blkext"),
+)
+
+# A 550-series /proc/driver/nvidia/params; ModifyDeviceFiles: 1 says the
+# driver (not an admin) owns the /dev/nvidia* nodes.
+_PARAMS = (
+    ("ResmanDebugLevel", "4294967295"),
+    ("RmLogonRC", "1"),
+    ("ModifyDeviceFiles", "1"),
+    ("DeviceFileUID", "0"),
+    ("DeviceFileGID", "0"),
+    ("DeviceFileMode", "438"),
+    ("InitializeSystemMemoryAllocations", "1"),
+    ("UsePageAttributeTable", "4294967295"),
+    ("EnableMSI", "1"),
+    ("EnablePCIeGen3", "0"),
+    ("MemoryPoolSize", "0"),
+    ("KMallocHeapMaxSize", "0"),
+    ("VMallocHeapMaxSize", "0"),
+    ("IgnoreMMIOCheck", "0"),
+    ("TCEBypassMode", "0"),
+    ("EnableStreamMemOPs", "0"),
+    ("EnableUserNUMAManagement", "1"),
+    ("NvLinkDisable", "0"),
+    ("RmProfilingAdminOnly", "1"),
+    ("PreserveVideoMemoryAllocations", "0"),
+    ("EnableS0ixPowerManagement", "0"),
+    ("S0ixPowerManagementVideoMemoryThreshold", "256"),
+    ("DynamicPowerManagement", "3"),
+    ("DynamicPowerManagementVideoMemoryThreshold", "200"),
+    ("RegisterPCIDriver", "1"),
+    ("EnablePCIERelaxedOrderingMode", "0"),
+    ("EnableResizableBar", "0"),
+    ("EnableGpuFirmware", "18"),
+    ("EnableGpuFirmwareLogs", "2"),
+    ("RmNvlinkBandwidthLinkCount", "0"),
+    ("EnableDbgBreakpoint", "0"),
+    ("OpenRmEnableUnsupportedGpus", "1"),
+    ("DmaRemapPeerMmio", "1"),
+    ("RegistryDwords", '""'),
+    ("RegistryDwordsPerDevice", '""'),
+    ("RmMsg", '""'),
+    ("GpuBlacklist", '""'),
+    ("TemporaryFilePath", '""'),
+    ("ExcludedGpus", '""'),
+)
+
+
+def proc_devices() -> str:
+    """/proc/devices, formatted as fs/proc/devices.c does ("%3d %s")."""
+    chars = "".join(f"{major:3d} {name}\n" for major, name in _CHAR_DEVICES)
+    blocks = "".join(f"{major:3d} {name}\n" for major, name in _BLOCK_DEVICES)
+    return f"Character devices:\n{chars}\nBlock devices:\n{blocks}"
+
+
+def proc_version(driver: str) -> str:
+    """/proc/driver/nvidia/version (nv-procfs.c: nv_procfs_read_version)."""
+    return f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {driver}  {_BUILD_DATE}\nGCC version:  {_GCC}\n"
+
+
+def proc_params() -> str:
+    """/proc/driver/nvidia/params."""
+    return "".join(f"{key}: {value}\n" for key, value in _PARAMS)
+
+
+def proc_registry() -> str:
+    """/proc/driver/nvidia/registry with no registry keys set."""
+    return 'Binary: ""\n'
+
+
+def proc_gpu_information(gpu: FakeGpu, driver: str) -> str:
+    """/proc/driver/nvidia/gpus/<bus>/information (nv-procfs.c: nv_procfs_read_gpu_info)."""
+    return (
+        f"Model: \t\t {gpu.name}\n"
+        f"IRQ:   \t\t {gpu.index + 16}\n"
+        f"GPU UUID: \t {gpu.uuid}\n"
+        f"Video BIOS: \t {gpu.vbios.lower()}\n"
+        "Bus Type: \t PCIe\n"
+        "DMA Size: \t 52 bits\n"
+        "DMA Mask: \t 0xfffffffffffff\n"
+        f"Bus Location: \t {gpu.proc_bus_id}\n"
+        f"Device Minor: \t {gpu.minor}\n"
+        f"GPU Firmware: \t {driver}\n"
+        "GPU Excluded:\t No\n"
+    )
+
+
+def _smi_table(driver: str, cuda: str, gpus: tuple[FakeGpu, ...]) -> str:
+    """The top of nvidia-smi's default output: versions and one row per GPU."""
+    rule = "+-----------------------------------------+------------------------+----------------------+"
+    rows = [
+        rule[:1] + "-" * (len(rule) - 2) + rule[-1:],
+        f"| NVIDIA-SMI {driver:<22} Driver Version: {driver:<14} CUDA Version: {cuda:<9}|",
+        "|-----------------------------------------+------------------------+----------------------+",
+        "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |",
+        "|=========================================+========================+======================|",
+    ]
+    for gpu in gpus:
+        name = gpu.name if len(gpu.name) <= 28 else gpu.name[:25] + "..."
+        rows.append(f"| {gpu.index:3d}  {name:<28}   On  |   {gpu.pci_bus_id} Off |{0:>21} |")
+        rows.append(rule)
+    return "\n".join(rows) + "\n"
+
+
+def nvidia_smi_script(driver: str, cuda: str, gpus: tuple[FakeGpu, ...]) -> str:
+    """An nvidia-smi stand-in: the version table, or the -L list."""
+    listing = "".join(f"GPU {gpu.index}: {gpu.name} (UUID: {gpu.uuid})\n" for gpu in gpus)
+    # Quoted here-documents: GPU names are printed verbatim, never expanded.
+    return (
+        "#!/bin/sh\n"
+        "# nvidia-smi stand-in on a gpuhook simulated GPU host (there is no GPU).\n"
+        'if [ "$1" = "-L" ] || [ "$1" = "--list-gpus" ]; then\n'
+        "cat <<'FAKEHOST_EOF'\n"
+        f"{listing}"
+        "FAKEHOST_EOF\n"
+        "exit 0\n"
+        "fi\n"
+        "cat <<'FAKEHOST_EOF'\n"
+        f"{_smi_table(driver, cuda, gpus)}"
+        "FAKEHOST_EOF\n"
+    )
+
+
+def tool_script(name: str, driver: str) -> str:
+    """A stand-in for one of the driver's other tools: reports itself, succeeds."""
+    return (
+        "#!/bin/sh\n"
+        f"# {name} stand-in on a gpuhook simulated GPU host (there is no GPU).\n"
+        'if [ "$1" = "--version" ] || [ "$1" = "-v" ]; then\n'
+        f"  echo '{name}: version {driver}'\n"
+        "  exit 0\n"
+        "fi\n"
+        f"echo '{name}: simulated GPU host, driver {driver}; nothing to do' >&2\n"
+        "exit 0\n"
+    )
+
+
+def _yaml_scalar(text: str) -> str:
+    """A YAML scalar: plain when unambiguous, else a JSON (= YAML) string."""
+    if re.fullmatch(r"/[A-Za-z0-9_./+@-]*", text):
+        return text
+    return json.dumps(text)
+
+
+def gpuhook_config(root: Path) -> str:
+    """The gpuhook config that points every root at the simulated host."""
+    value = _yaml_scalar(str(root))
+    log = _yaml_scalar(str(root / "gpuhook.log"))
+    return (
+        f"# gpuhook config for the simulated GPU host in {value}\n"
+        f"driver_root: {value}\n"
+        f"dev_root: {value}\n"
+        f"proc_root: {value}\n"
+        f"log_file: {log}\n"
+        "log_level: debug\n"
+    )
