@@ -74,7 +74,7 @@ def _new_header_offset(data: bytes) -> int:
         raise LdCacheFormatError(f"ld.so.cache: unknown magic {data[:20]!r}")
     if len(data) < _OLD_HEADER.size:
         raise LdCacheFormatError("ld.so.cache truncated in the old-format header")
-    _, nlibs = _OLD_HEADER.unpack_from(data, 0)
+    nlibs: int = _OLD_HEADER.unpack_from(data, 0)[1]
     end = _OLD_HEADER.size + nlibs * _OLD_ENTRY_SIZE
     return (end + 7) & ~7  # ALIGN_CACHE: the new table is 8-byte aligned
 

@@ -1,0 +1,40 @@
+# gpuhook: `make demo` and `make test` set up everything they need on a fresh Debian 12 machine
+# (root): the engines and tools from apt, a virtualenv with the package, and, at test time, the
+# simulated GPU host with its mock NVML built by gcc.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+APT_PACKAGES := runc crun busybox-static gcc libc6-dev util-linux
+# The commands the packages above provide, to skip apt when all are there.
+APT_COMMANDS := runc crun busybox gcc setpriv
+
+.PHONY: test unit demo deps venv clean
+
+test: deps venv
+	$(PY) -m pytest -q
+
+unit: venv
+	$(PY) -m pytest -q tests/unit
+
+demo: deps venv
+	$(PY) -m integration.demo
+
+deps:
+	@missing=""; for c in $(APT_COMMANDS); do command -v $$c >/dev/null || missing="$$missing $$c"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing apt packages (missing:$$missing)"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q $(APT_PACKAGES) >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q $(APT_PACKAGES) >/dev/null; }; \
+	fi
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis
