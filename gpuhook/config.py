@@ -79,7 +79,7 @@ def load_config(path: Path, *, required: bool) -> Config:
 
 def parse_config(text: str, *, source: str = "<config>") -> Config:
     """Decode YAML text into a Config, refusing unknown keys and wrong types."""
-    import yaml  # noqa: PLC0415 -- deliberately lazy: keeps YAML off the no-GPU path
+    import yaml
 
     try:
         data = yaml.safe_load(text)

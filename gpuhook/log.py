@@ -19,10 +19,10 @@ import structlog
 def _open_log(path: Path | None) -> TextIO:
     """The log stream: *path* in append mode, or stderr if it cannot be opened."""
     if path is None:
-        return open("/dev/null", "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
+        return open("/dev/null", "a", encoding="utf-8")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        return open(path, "a", encoding="utf-8", buffering=1)
     except OSError as err:
         print(f"gpuhook: cannot open log file {path}: {err.strerror}; logging to stderr", file=sys.stderr)
         return sys.stderr

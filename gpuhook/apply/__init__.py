@@ -136,7 +136,8 @@ def _apply_in_container(plan: Plan, pidfd: int, rootfs: Path, ldconfig: Path, ti
     """Open host sources, enter the container, make every change; undo all on failure."""
     os.umask(0)
     trees = [_host_tree(m) for m in plan.mounts]
-    gpu_trees = [_host_tree(BindMount(source=d, target="")) for d, _ in plan.proc_driver.gpu_dirs] if plan.proc_driver else []
+    gpu_dirs = plan.proc_driver.gpu_dirs if plan.proc_driver else ()
+    gpu_trees = [_host_tree(BindMount(source=host_dir, target="")) for host_dir, _ in gpu_dirs]
     ldconfig_fd = open_ldconfig(ldconfig) if plan.ldconfig else None
     linux.setns(pidfd, linux.CLONE_NEWNS)
     fs = RootFs(os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))

@@ -37,9 +37,9 @@ def devices_mount(mountinfo: str) -> tuple[str, str] | None:
     for line in mountinfo.splitlines():
         head, _, tail = line.partition(" - ")
         fields, tail_fields = head.split(), tail.split()
-        if len(fields) >= 5 and len(tail_fields) >= 3 and tail_fields[0] == "cgroup":
-            if "devices" in tail_fields[2].split(","):
-                return _unescape(fields[3]), _unescape(fields[4])
+        is_cgroup_v1 = len(fields) >= 5 and len(tail_fields) >= 3 and tail_fields[0] == "cgroup"
+        if is_cgroup_v1 and "devices" in tail_fields[2].split(","):
+            return _unescape(fields[3]), _unescape(fields[4])
     return None
 
 
@@ -78,9 +78,9 @@ def _covered(rule: CgroupRule, listing: str) -> bool:
             major, minor = numbers.split(":")
         except ValueError:
             continue
-        if kind in ("a", "c") and major in ("*", str(rule.major)) and minor in ("*", str(rule.minor)):
-            if set(rule.access) <= set(access):
-                return True
+        matches = kind in ("a", "c") and major in ("*", str(rule.major)) and minor in ("*", str(rule.minor))
+        if matches and set(rule.access) <= set(access):
+            return True
     return False
 
 

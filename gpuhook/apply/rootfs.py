@@ -27,12 +27,22 @@ from gpuhook.errors import ApplyError
 _IN_ROOT: Final = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
 _RUNTIME_OWNED: Final = ("dev", "proc")
 _MAX_STEPS: Final = 64
+_NEW_FILE: Final = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC
 
 
 def _resolve_flags(path: str) -> int:
     """IN_ROOT, plus NO_SYMLINKS under the runtime-owned /dev and /proc."""
     top = PurePosixPath(path).parts[1] if len(PurePosixPath(path).parts) > 1 else ""
     return _IN_ROOT | (linux.RESOLVE_NO_SYMLINKS if top in _RUNTIME_OWNED else 0)
+
+
+def _exclusively(make: Callable[[], None]) -> bool:
+    """Run an O_EXCL-style creation; False if the object already existed."""
+    try:
+        make()
+    except FileExistsError:
+        return False
+    return True
 
 
 class RootFs:
@@ -102,11 +112,12 @@ class RootFs:
         dir_fd = self.directory(str(parent))
         try:
             if directory:
-                self._create(dir_fd, name, path, lambda: os.mkdir(name, 0o755, dir_fd=dir_fd), os.rmdir)
+                made = _exclusively(lambda: os.mkdir(name, 0o755, dir_fd=dir_fd))
             else:
-                self._create(dir_fd, name, path, lambda: os.close(
-                    os.open(name, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-                ), os.unlink)
+                made = _exclusively(lambda: os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd)))
+            if made:
+                remove = os.rmdir if directory else os.unlink
+                self._record(f"remove {path}", lambda: remove(name, dir_fd=dir_fd))
             fd = linux.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, linux.RESOLVE_NO_SYMLINKS)
         except OSError as err:
             raise ApplyError("create mount target", path, errno_=err.errno) from err
@@ -114,18 +125,9 @@ class RootFs:
         if not want(os.fstat(fd).st_mode):
             os.close(fd)
             kind = "a directory" if directory else "a regular file"
-            raise ApplyError("create mount target", path, detail=f"exists in the image and is not {kind}; refusing to mount over it")
+            detail = f"exists in the image and is not {kind}; refusing to mount over it"
+            raise ApplyError("create mount target", path, detail=detail)
         return fd
-
-    def _create(
-        self, dir_fd: int, name: str, shown: str, make: Callable[[], None], remove: Callable[..., None]
-    ) -> None:
-        """Create a final component exclusively, recording its removal; an existing one is kept."""
-        try:
-            make()
-        except FileExistsError:
-            return
-        self._record(f"remove {shown}", lambda: remove(name, dir_fd=dir_fd))
 
     def mknod(self, path: str, major: int, minor: int, mode: int) -> None:
         """Create the character device *path*; an identical existing node is accepted."""

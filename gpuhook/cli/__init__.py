@@ -21,7 +21,9 @@ NOOP_STAGES = ("poststart", "poststop")
 def _parser() -> argparse.ArgumentParser:
     """The argument parser (built on demand: cheap, and keeps imports lazy)."""
     parser = argparse.ArgumentParser(prog="gpuhook", description="OCI hook that gives containers NVIDIA GPUs.")
-    parser.add_argument("--config", metavar="FILE", help="config file (default: $GPUHOOK_CONFIG, /etc/gpuhook/config.yaml)")
+    parser.add_argument(
+        "--config", metavar="FILE", help="config file (default: $GPUHOOK_CONFIG, then /etc/gpuhook/config.yaml)"
+    )
     parser.add_argument("--debug", action="store_true", help="log at debug level")
     parser.add_argument("--version", action="version", version=f"gpuhook {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -41,13 +43,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command in HOOK_STAGES:
-            from gpuhook.cli.hook import run_hook  # noqa: PLC0415 - keep the fast path's imports minimal
+            from gpuhook.cli.hook import run_hook
 
             return run_hook(args.config, args.debug, sys.stdin.buffer, os.environ)
         if args.command in NOOP_STAGES:
             sys.stdin.buffer.read()  # drain: a runtime may block writing the state
             return 0
-        from gpuhook.cli import inspect  # noqa: PLC0415
+        from gpuhook.cli import inspect
 
         if args.command == "plan":
             return inspect.run_plan(args.config, args.debug, args.bundle, os.environ)
@@ -61,7 +63,7 @@ def _report_failure(err: GpuHookError) -> None:
     """One log event (if logging is set up) and one plain line on stderr."""
     log = sys.modules.get("gpuhook.log")
     if log is not None and log.is_configured():
-        import structlog  # noqa: PLC0415
+        import structlog
 
         structlog.get_logger().error("hook_failed", kind=type(err).__name__, error=str(err))
     print(f"gpuhook: {err}", file=sys.stderr)

@@ -28,7 +28,7 @@ def read_spec(bundle: Path) -> BundleSpec:
 
 def load_settings(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> Config:
     """Load the config and set up logging (debug forces the debug level)."""
-    from gpuhook.log import configure_logging  # noqa: PLC0415 - structlog only past the fast path
+    from gpuhook.log import configure_logging
 
     path, required = resolve_config_path(config_arg, env)
     config = load_config(path, required=required)

@@ -24,13 +24,13 @@ def run_hook(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[
     if not may_request_gpus(spec):
         return 0
     # Past this point the container asks for a GPU: load everything else.
-    import structlog  # noqa: PLC0415
+    import structlog
 
-    from gpuhook.apply import apply_plan  # noqa: PLC0415
-    from gpuhook.cli.common import load_settings, make_target  # noqa: PLC0415
-    from gpuhook.discovery.host import HostDiscoverer  # noqa: PLC0415
-    from gpuhook.planning.planner import make_plan  # noqa: PLC0415
-    from gpuhook.request.parse import parse_request  # noqa: PLC0415
+    from gpuhook.apply import apply_plan
+    from gpuhook.cli.common import load_settings, make_target
+    from gpuhook.discovery.host import HostDiscoverer
+    from gpuhook.planning.planner import make_plan
+    from gpuhook.request.parse import parse_request
 
     config = load_settings(config_arg, debug, env)
     structlog.contextvars.bind_contextvars(container_id=state.id, pid=state.pid)

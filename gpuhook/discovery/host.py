@@ -33,7 +33,7 @@ class HostDiscoverer:
 
     def discover(self) -> Inventory:
         """Ask NVML and read the driver's files; raises DiscoveryError."""
-        from gpuhook.discovery.nvml import read_nvml  # noqa: PLC0415 -- pynvml only when needed
+        from gpuhook.discovery.nvml import read_nvml
 
         driver = HostRoot(self.config.driver_root)
         libraries = _library_index(driver)

@@ -53,7 +53,7 @@ def parse_ldcache(data: bytes) -> tuple[LdCacheEntry, ...]:
     start = _new_header_offset(data)
     if len(data) < start + _NEW_HEADER.size:
         raise LdCacheFormatError(f"ld.so.cache truncated: no room for the header at offset {start}")
-    magic, nlibs, len_strings, _flags, _ext = _NEW_HEADER.unpack_from(data, start)
+    magic, nlibs, _len_strings, _flags, _ext = _NEW_HEADER.unpack_from(data, start)
     if magic != NEW_MAGIC:
         raise LdCacheFormatError(f"ld.so.cache: bad magic {magic!r} at offset {start}; expected {NEW_MAGIC!r}")
     entries_end = start + _NEW_HEADER.size + nlibs * _NEW_ENTRY.size

@@ -76,7 +76,9 @@ def _gpu_device(inventory: Inventory, gpu: Gpu) -> DeviceNode:
     return _node(node)
 
 
-def _control_devices(inventory: Inventory, caps: frozenset[Capability], skipped: list[Skipped]) -> tuple[DeviceNode, ...]:
+def _control_devices(
+    inventory: Inventory, caps: frozenset[Capability], skipped: list[Skipped]
+) -> tuple[DeviceNode, ...]:
     """nvidiactl always; nvidia-uvm(-tools) with compute; nvidia-modeset with display."""
     have = {n.name: n for n in inventory.control_nodes}
     out = []
@@ -121,7 +123,9 @@ def _firmware(inventory: Inventory, caps: frozenset[Capability]) -> tuple[BindMo
     """GSP firmware at its host path, whenever any driver file is injected."""
     if not caps:
         return ()
-    return tuple(BindMount(source=str(f.host_path), target=container_path(f.name), noexec=True) for f in inventory.firmware)
+    return tuple(
+        BindMount(source=str(f.host_path), target=container_path(f.name), noexec=True) for f in inventory.firmware
+    )
 
 
 def _ipc(inventory: Inventory, caps: frozenset[Capability]) -> tuple[BindMount, ...]:
