@@ -57,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GpuHookError as err:
         _report_failure(err)
         return 1
+    except BrokenPipeError:
+        # `gpuhook plan | head`: the reader left; exit quietly instead of a traceback at shutdown.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _report_failure(err: GpuHookError) -> None:

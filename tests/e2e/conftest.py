@@ -12,22 +12,11 @@ from typing import Any
 import pytest
 
 from integration.engines import CRUN_HOOK_OUTPUT_ANNOTATIONS, RunResult, default_spec, run_container, unique_id, write_bundle
-from integration.fakehost import FakeHost, create_host
+from integration.fakehost import FakeHost
 from integration.rootfs import build_rootfs, copy_rootfs
 
 REPO = Path(__file__).parents[2]
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
-
-
-@pytest.fixture(scope="session")
-def host(tmp_path_factory: pytest.TempPathFactory) -> FakeHost:
-    """A simulated 4-GPU host; world-readable so unprivileged commands can read it."""
-    parent = tmp_path_factory.mktemp("fakehost")
-    for path in (parent, *parent.parents):
-        if path == Path("/tmp"):
-            break
-        path.chmod(0o755)
-    return create_host(parent / "host", gpus=4)
 
 
 @pytest.fixture(scope="session")
