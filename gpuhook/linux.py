@@ -58,6 +58,15 @@ FSCONFIG_SET_STRING: Final = 1
 FSCONFIG_CMD_CREATE: Final = 6
 
 CLONE_NEWNS: Final = 0x00020000
+CLONE_NEWUTS: Final = 0x04000000
+CLONE_NEWIPC: Final = 0x08000000
+CLONE_NEWNET: Final = 0x40000000
+MS_REC: Final = 0x4000
+MS_PRIVATE: Final = 1 << 18
+PR_SET_DUMPABLE: Final = 4
+PR_CAPBSET_DROP: Final = 24
+PR_SET_NO_NEW_PRIVS: Final = 38
+CAP_LAST_CAP: Final = 63
 MNT_DETACH: Final = 2
 CLOSE_RANGE_CLOEXEC: Final = 1 << 2
 
@@ -133,6 +142,31 @@ def setns(fd: int, nstype: int) -> None:
     _check(_libc.setns(fd, nstype), f"setns fd {fd}")
 
 
+def unshare(flags: int) -> None:
+    """unshare(2) (``os.unshare`` arrives in Python 3.12)."""
+    _check(_libc.unshare(flags), "unshare")
+
+
+def make_mounts_private() -> None:
+    """mount --make-rprivate / in the current mount namespace."""
+    _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / rprivate")
+
+
+def prctl(option: int, arg: int) -> int:
+    """prctl(2) with one argument."""
+    return _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl {option}")
+
+
+def drop_bounding_set(keep: frozenset[int]) -> None:
+    """Drop every capability except *keep* from the bounding set, so that even root's next
+    execve cannot regain them (capabilities(7): P'(permitted) is limited by the bounding set)."""
+    for cap in range(CAP_LAST_CAP + 1):
+        if cap in keep:
+            continue
+        if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) < 0 and ctypes.get_errno() != 22:
+            _check(-1, f"drop capability {cap}")  # EINVAL (22) = no such capability on this kernel
+
+
 def umount_detach(path: str) -> None:
     """umount2(path, MNT_DETACH)."""
     _check(_libc.umount2(_path(path), MNT_DETACH), path)
@@ -141,6 +175,26 @@ def umount_detach(path: str) -> None:
 def close_range_cloexec(first: int) -> None:
     """Mark every fd >= *first* close-on-exec (close_range(2), Linux 5.11)."""
     _check(_syscall(SYS_CLOSE_RANGE, first, 0xFFFFFFFF, CLOSE_RANGE_CLOEXEC), "close_range")
+
+
+def mount_id(fd: int) -> int:
+    """The id of the mount *fd* lives on (``mnt_id`` in /proc/self/fdinfo, Linux 3.15)."""
+    with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as info:
+        for line in info:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    raise OSError(0, "no mnt_id in fdinfo", str(fd))
+
+
+def shared_mount_ids() -> frozenset[int]:
+    """Ids of the mounts in our namespace that are in a shared peer group (mountinfo "shared:N")."""
+    shared = set()
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
+        for line in table:
+            fields = line.split(" - ", 1)[0].split()
+            if any(tag.startswith("shared:") for tag in fields[6:]):
+                shared.add(int(fields[0]))
+    return frozenset(shared)
 
 
 def fd_path(fd: int) -> str:

@@ -42,14 +42,23 @@ class ApplyReport:
     skipped: tuple[str, ...] = ()
 
 
-def apply_plan(plan: Plan, *, pid: int, rootfs: Path, ldconfig: Path, timeout: float) -> ApplyReport:
-    """Apply *plan* to the container whose init process is *pid*; raises ApplyError."""
-    pidfd = _open_container(pid)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContainerRef:
+    """The container to change: its init pid and its rootfs (path and identity as the hook sees it)."""
+
+    pid: int
+    rootfs: Path
+    rootfs_id: tuple[int, int]
+
+
+def apply_plan(plan: Plan, container: ContainerRef, *, ldconfig: Path, timeout: float) -> ApplyReport:
+    """Apply *plan* to *container*; raises ApplyError."""
+    pidfd = _open_container(container.pid)
     try:
-        cgroup_dir = cgroups.device_cgroup_dir(pid) if plan.cgroup_rules else None
+        cgroup_dir = cgroups.device_cgroup_dir(container.pid) if plan.cgroup_rules else None
         added = cgroups.allow(cgroup_dir, plan.cgroup_rules) if cgroup_dir else []
         try:
-            return _run_child(plan, pidfd, rootfs, ldconfig, timeout)
+            return _run_child(plan, pidfd, container, ldconfig, timeout)
         except BaseException:
             if cgroup_dir is not None:
                 cgroups.deny(cgroup_dir, added)
@@ -74,15 +83,16 @@ def _open_container(pid: int) -> int:
     return pidfd
 
 
-def _run_child(plan: Plan, pidfd: int, rootfs: Path, ldconfig: Path, timeout: float) -> ApplyReport:
+def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float) -> ApplyReport:
     """Fork the child that does the namespace work and collect its report."""
     read_fd, write_fd = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the forked child; exercised by the runc tests
         os.close(read_fd)
-        os._exit(_child_main(plan, pidfd, rootfs, ldconfig, timeout, write_fd))
+        os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, write_fd))
     os.close(write_fd)
     raw = _read_report(child, read_fd, timeout)
+    rootfs = container.rootfs
     try:
         report = json.loads(raw) if raw else {"error": {"step": "apply", "path": str(rootfs), "detail": "no report"}}
     except ValueError:
@@ -116,23 +126,29 @@ def _read_report(child: int, read_fd: int, timeout: float) -> bytes:
     return b"".join(chunks)
 
 
-def _child_main(plan: Plan, pidfd: int, rootfs: Path, ldconfig: Path, timeout: float, out_fd: int) -> int:
+def _child_main(
+    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, out_fd: int
+) -> int:
     """Body of the forked child; returns its exit status after writing the JSON report."""
     try:
-        skipped = _apply_in_container(plan, pidfd, rootfs, ldconfig, timeout)
+        linux.prctl(linux.PR_SET_DUMPABLE, 0)  # no ptrace or /proc/<pid>/mem access from the container
+        skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout)
         report: dict[str, object] = {"skipped": skipped}
         status = 0
     except ApplyError as err:
         report = {"error": {"step": err.step, "path": err.path, "errno_": err.errno, "detail": err.detail}}
         status = 1
     except BaseException as err:  # noqa: BLE001 - the child must always report, never unwind into the hook
-        report = {"error": {"step": "apply", "path": str(rootfs), "detail": f"{type(err).__name__}: {err}"}}
+        detail = f"{type(err).__name__}: {err}"
+        report = {"error": {"step": "apply", "path": str(container.rootfs), "detail": detail}}
         status = 2
     os.write(out_fd, json.dumps(report).encode())
     return status
 
 
-def _apply_in_container(plan: Plan, pidfd: int, rootfs: Path, ldconfig: Path, timeout: float) -> list[str]:
+def _apply_in_container(
+    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float
+) -> list[str]:
     """Open host sources, enter the container, make every change; undo all on failure."""
     os.umask(0)
     trees = [_host_tree(m) for m in plan.mounts]
@@ -140,7 +156,7 @@ def _apply_in_container(plan: Plan, pidfd: int, rootfs: Path, ldconfig: Path, ti
     gpu_trees = [_host_tree(BindMount(source=host_dir, target="")) for host_dir, _ in gpu_dirs]
     ldconfig_fd = open_ldconfig(ldconfig) if plan.ldconfig else None
     linux.setns(pidfd, linux.CLONE_NEWNS)
-    fs = RootFs(os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+    fs = RootFs(_open_rootfs(container))
     skipped: list[str] = []
     try:
         for node in plan.devices:
@@ -160,6 +176,20 @@ def _apply_in_container(plan: Plan, pidfd: int, rootfs: Path, ldconfig: Path, ti
             err.detail = f"{err.detail or 'failed'}; could not undo: {'; '.join(leftovers)}"
         raise
     return skipped
+
+
+def _open_rootfs(container: ContainerRef) -> int:
+    """The rootfs as the container's namespace shows it; it must be the directory the hook checked."""
+    try:
+        fd = os.open(container.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise ApplyError("open rootfs", str(container.rootfs), errno_=err.errno) from err
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != container.rootfs_id:
+        os.close(fd)
+        raise ApplyError("open rootfs", str(container.rootfs),
+                         detail="in the container's mount namespace this path is not the bundle's rootfs")
+    return fd
 
 
 def _host_tree(mount: BindMount) -> int:

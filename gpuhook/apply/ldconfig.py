@@ -1,20 +1,29 @@
-"""Rebuild the container's ld.so.cache with the *host's* ldconfig.
+"""Rebuild the container's ld.so.cache with the *host's* ldconfig, sandboxed.
 
 NVIDIA's CVE-2024-0136/0137 came from running a container-provided ldconfig,
-and runs that loaded the container's libraries. Here:
+CVE-2024-0135 from a host binary a container could rewrite through
+``/proc/<pid>/exe``, and CVE-2025-23267 from ldconfig following links the image
+planted. Here:
 
-* the binary is the configured host ldconfig, opened by fd *before* entering
-  the container's mount namespace and run with fexecve, so nothing in the
-  container can replace it;
+* the binary is the configured host ldconfig, copied into a sealed memfd
+  (no write, grow, shrink or further seals) *before* the hook enters the
+  container, and run with fexecve: nothing in the container can replace or
+  modify it;
 * it must be statically linked: a dynamic one would load its interpreter and
   libc from the container after chroot;
-* it runs chrooted into the rootfs, inside the container's mount namespace
-  (ldconfig in the host namespace only sees the empty mount targets, see
-  runtime-lab.md §7), with a clean environment and resource limits.
+* it runs in fresh mount, network, IPC and UTS namespaces, with ``/proc``,
+  ``/sys`` and ``/dev`` of the rootfs hidden under empty read-only tmpfs (an
+  ``include /proc/1/root/...`` in the image's ld.so.conf would otherwise reach
+  the host), chrooted into the rootfs, with no_new_privs, a bounding set of
+  only CAP_DAC_OVERRIDE (as libnvidia-container keeps), a clean environment
+  and resource limits;
+* it runs inside the container's mount namespace: ldconfig in the host
+  namespace only sees the empty mount targets (runtime-lab.md §7).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import resource
 import select
@@ -25,9 +34,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from gpuhook import linux
 from gpuhook.errors import ApplyError
 
 _PT_INTERP: Final = 3
+_MAX_BINARY: Final = 64 << 20
+_CAP_DAC_OVERRIDE: Final = 1
+_SEALS: Final = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+_HIDDEN: Final = ("proc", "sys", "dev")
 _ENV: Final = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 #: libnvidia-container's limits for its ldconfig child (nvc_ldcache.c), with a larger file size:
 #: an image with many libraries can have a cache over 1 MiB.
@@ -40,7 +54,7 @@ _LIMITS: Final = (
 
 
 def open_ldconfig(path: Path) -> int:
-    """Open the host ldconfig for fexecve, refusing a dynamically linked one."""
+    """A sealed memfd copy of the host ldconfig, refusing a dynamically linked one."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as err:
@@ -52,10 +66,29 @@ def open_ldconfig(path: Path) -> int:
                 detail="is dynamically linked; it would load libraries from the container. "
                 "Set `ldconfig:` to a static ldconfig (Debian and Ubuntu's /sbin/ldconfig is static)",
             )
-    except BaseException:
+        return _sealed_copy(fd, str(path))
+    finally:
         os.close(fd)
+
+
+def _sealed_copy(fd: int, shown: str) -> int:
+    """Copy *fd* into a memfd and seal it against every change."""
+    size = os.fstat(fd).st_size
+    if size > _MAX_BINARY:
+        raise ApplyError("open ldconfig", shown, detail=f"is {size} bytes; larger than any ldconfig")
+    memfd = os.memfd_create("gpuhook-ldconfig", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        offset = 0
+        while offset < size:
+            sent = os.sendfile(memfd, fd, offset, size - offset)
+            if sent == 0:
+                raise ApplyError("open ldconfig", shown, detail="changed size while being copied")
+            offset += sent
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(memfd)
         raise
-    return fd
+    return memfd
 
 
 def _has_interpreter(fd: int) -> bool:
@@ -81,12 +114,10 @@ def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, timeout
         try:
             os.dup2(write_fd, 1)
             os.dup2(write_fd, 2)
-            os.fchdir(root_fd)
-            os.chroot(".")
-            os.chdir("/")
-            for limit, value in _LIMITS:
-                resource.setrlimit(limit, (value, value))
+            _sandbox(root_fd)
             os.execve(ldconfig_fd, argv, _ENV)
+        except BaseException as err:  # noqa: BLE001 - report why the sandbox or exec failed, then die
+            os.write(2, f"cannot start ldconfig: {err}".encode())
         finally:
             os._exit(127)
     os.close(write_fd)
@@ -94,6 +125,29 @@ def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, timeout
     if status != 0:
         why = f"exited with status {status}" if status >= 0 else f"killed by signal {-status}"
         raise ApplyError("ldconfig", " ".join(dirs), detail=f"{why}: {output.strip()[-500:]}")
+
+
+def _sandbox(root_fd: int) -> None:
+    """Private namespaces, hidden /proc /sys /dev, chroot, limits, no privileges to gain (in the child)."""
+    # unshare moves our cwd (not our fds) into the new namespace's copy of the tree, so stand in
+    # the rootfs first and re-open it afterwards: mounts must target the new namespace.
+    os.fchdir(root_fd)
+    linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
+    linux.make_mounts_private()
+    root_fd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    hidden = linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV | linux.MOUNT_ATTR_NOEXEC
+    for name in _HIDDEN:
+        try:
+            target = linux.openat2(root_fd, name, os.O_PATH | os.O_DIRECTORY, linux.RESOLVE_NO_SYMLINKS)
+        except OSError:
+            continue  # absent (or not a plain dir): nothing there to hide
+        linux.move_mount(linux.fsmount_tmpfs({"mode": "0555", "size": "4k"}, hidden), target, what=name)
+    os.chroot(".")
+    os.chdir("/")
+    for limit, value in _LIMITS:
+        resource.setrlimit(limit, (value, value))
+    linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
+    linux.drop_bounding_set(frozenset({_CAP_DAC_OVERRIDE}))
 
 
 def _wait(pid: int, read_fd: int, timeout: float) -> tuple[str, int]:

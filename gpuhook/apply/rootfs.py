@@ -51,6 +51,7 @@ class RootFs:
     def __init__(self, root_fd: int) -> None:
         self.root_fd = root_fd
         self._undo: list[tuple[str, Callable[[], None]]] = []
+        self._shared: frozenset[int] | None = None
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -164,18 +165,26 @@ class RootFs:
     def attach(self, tree_fd: int, target_fd: int, path: str) -> None:
         """move_mount the detached *tree_fd* onto *target_fd*, then verify the result."""
         want = os.fstat(tree_fd)
+        parent = linux.mount_id(target_fd)
+        if self._shared is None:
+            self._shared = linux.shared_mount_ids()
+        if parent in self._shared:
+            # A mount under a shared mount propagates to its peers, which can be in the host's
+            # namespace (rootfsPropagation "shared"): the host would see the driver files appear.
+            raise ApplyError("mount", path, detail="is on a shared mount (rootfsPropagation shared?); "
+                             "mounting there would propagate to the host. Use rslave or private propagation")
         try:
             linux.move_mount(tree_fd, target_fd, what=path)
         except OSError as err:
             raise ApplyError("mount", path, errno_=err.errno) from err
         self._record(f"umount {path}", lambda: self._umount(path))
-        # Re-resolve from the root: the object now at *path* must be the mounted host file.
+        # Re-resolve from the root: *path* must now show the mounted object, on a new mount.
         check = self.open(path, os.O_PATH | os.O_NOFOLLOW)
         try:
-            got = os.fstat(check)
+            got, got_mount = os.fstat(check), linux.mount_id(check)
         finally:
             os.close(check)
-        if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino):
+        if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino) or got_mount == parent:
             raise ApplyError("mount", path, detail="after mounting, the path does not show the mounted file")
 
     def _umount(self, path: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,11 +20,21 @@ def read_spec(bundle: Path) -> BundleSpec:
     """Read and parse ``<bundle>/config.json`` (size-capped)."""
     path = bundle / "config.json"
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(SPEC_LIMIT + 1)
+        bundle_fd = os.open(bundle, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            # O_NOFOLLOW: never a symlink to a host file; O_NONBLOCK: a FIFO cannot hang the open.
+            fd = os.open("config.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=bundle_fd)
+        finally:
+            os.close(bundle_fd)
     except OSError as err:
-        raise SpecError(f"cannot read {path}: {err.strerror}") from err
-    return parse_spec(data, bundle)
+        raise SpecError(f"cannot open {path}: {err.strerror}") from err
+    with os.fdopen(fd, "rb") as handle:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecError(f"{path} is not a regular file")
+        if st.st_size > SPEC_LIMIT:
+            raise SpecError(f"{path} is {st.st_size} bytes; the limit is {SPEC_LIMIT}")
+        return parse_spec(handle.read(SPEC_LIMIT + 1), bundle)
 
 
 def load_settings(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> Config:
@@ -34,6 +45,20 @@ def load_settings(config_arg: str | None, debug: bool, env: Mapping[str, str]) -
     config = load_config(path, required=required)
     configure_logging(config.log_file, "debug" if debug else config.log_level)
     return config
+
+
+def rootfs_identity(rootfs: Path) -> tuple[int, int]:
+    """(st_dev, st_ino) of the rootfs directory; refuses the host's own root."""
+    try:
+        st = os.stat(rootfs)
+    except OSError as err:
+        raise SpecError(f"cannot open the container rootfs {rootfs}: {err.strerror}") from err
+    if not stat.S_ISDIR(st.st_mode):
+        raise SpecError(f"the container rootfs {rootfs} is not a directory")
+    host_root = os.stat("/")
+    if (st.st_dev, st.st_ino) == (host_root.st_dev, host_root.st_ino):
+        raise SpecError(f"the container rootfs {rootfs} is the host's /; refusing to change the host")
+    return st.st_dev, st.st_ino
 
 
 def is_debian_like(rootfs: Path) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import BinaryIO
 
 from gpuhook.cli.common import read_spec
+from gpuhook.cli.hygiene import check_environment, read_bounded, settle_process
 from gpuhook.errors import SpecError
 from gpuhook.oci.state import STATE_LIMIT, parse_state
 from gpuhook.request.parse import may_request_gpus
@@ -19,15 +20,17 @@ from gpuhook.request.parse import may_request_gpus
 def run_hook(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[str, str]) -> int:
     """Inject the GPUs the container in the OCI state asks for."""
     started = time.monotonic()
-    state = parse_state(stdin.read(STATE_LIMIT + 1))
+    check_environment(env)
+    settle_process()
+    state = parse_state(read_bounded(stdin, limit=STATE_LIMIT))
     spec = read_spec(state.bundle)
     if not may_request_gpus(spec):
         return 0
     # Past this point the container asks for a GPU: load everything else.
     import structlog
 
-    from gpuhook.apply import apply_plan
-    from gpuhook.cli.common import load_settings, make_target
+    from gpuhook.apply import ContainerRef, apply_plan
+    from gpuhook.cli.common import load_settings, make_target, rootfs_identity
     from gpuhook.discovery.host import HostDiscoverer
     from gpuhook.planning.planner import make_plan
     from gpuhook.request.parse import parse_request
@@ -43,8 +46,10 @@ def run_hook(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[
     if request is None:
         log.info("no_gpu_requested", privileged=spec.privileged)
         return 0
-    if state.pid is None:
-        raise SpecError("the OCI state has no pid; run gpuhook as a prestart or createRuntime hook")
+    if state.pid is None or state.pid == 1:
+        raise SpecError(
+            f"the OCI state's pid is {state.pid}, not a host pid; run gpuhook as a prestart or createRuntime hook"
+        )
     log.info("request_parsed", source=request.source, devices=request.raw,
              capabilities=sorted(request.capabilities), requirements=list(request.requirements))
     step = time.monotonic()
@@ -57,8 +62,8 @@ def run_hook(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[
     for skipped in plan.skipped:
         log.debug("skipped", what=skipped.what, reason=skipped.reason)
     step = time.monotonic()
-    report = apply_plan(plan, pid=state.pid, rootfs=spec.rootfs, ldconfig=config.ldconfig,
-                        timeout=config.timeout_seconds)
+    container = ContainerRef(pid=state.pid, rootfs=spec.rootfs, rootfs_id=rootfs_identity(spec.rootfs))
+    report = apply_plan(plan, container, ldconfig=config.ldconfig, timeout=config.timeout_seconds)
     for what in report.skipped:
         log.warning("apply_skipped", what=what)
     log.info("applied", ms=_ms(step), total_ms=_ms(started))

@@ -11,6 +11,8 @@ from gpuhook.oci import strictjson
 
 #: podman adds every annotation to the state; 1 MiB leaves room and bounds memory.
 STATE_LIMIT: Final = 1 << 20
+#: PID_MAX_LIMIT on 64-bit kernels (include/linux/threads.h): no pid is larger.
+PID_MAX: Final = 1 << 22
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,12 +36,15 @@ def parse_state(data: bytes) -> ContainerState:
     if not bundle.startswith("/"):
         raise SpecError(f"{what}: bundle {bundle!r} must be an absolute path")
     container_id = strictjson.get_str(obj, "id", what=what, default="")
+    pid = strictjson.get_int(obj, "pid", what=what)
+    if pid is not None and pid > PID_MAX:
+        raise SpecError(f"{what}: pid {pid} is larger than any Linux pid ({PID_MAX})")
     annotations = strictjson.get_obj(obj, "annotations", what=what)
     if not all(isinstance(v, str) for v in annotations.values()):
         raise SpecError(f"{what}: annotations must map strings to strings")
     return ContainerState(
         id=container_id,
-        pid=strictjson.get_int(obj, "pid", what=what) or None,
+        pid=pid or None,  # crun's createContainer state says 0: no host pid
         bundle=Path(bundle),
         status=strictjson.get_str(obj, "status", what=what, default=""),
         annotations=tuple(sorted(annotations.items())),
