@@ -16,7 +16,9 @@ This is the only module that calls libc through ctypes. Rules it enforces
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import stat
 from typing import Final
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -100,11 +102,84 @@ def _check(result: int, what: str) -> int:
     return result
 
 
-def openat2(dir_fd: int, path: str, flags: int, resolve: int, mode: int = 0) -> int:
-    """openat2(2): open *path* relative to *dir_fd* under the *resolve* rules."""
-    how = _OpenHow(flags=flags | os.O_CLOEXEC, mode=mode, resolve=resolve)
-    fd = _syscall(SYS_OPENAT2, dir_fd, _path(path), ctypes.byref(how), ctypes.sizeof(how))
-    return _check(fd, path)
+_openat2_missing: list[bool] = []
+
+
+def openat2(dir_fd: int, path: str, flags: int, resolve: int) -> int:
+    """openat2(2): open *path* relative to *dir_fd* under the *resolve* rules.
+
+    Kernels before 5.6 (or a seccomp profile that hides the syscall) answer
+    ENOSYS; then the O_PATH walker below gives the same semantics for the
+    flags gpuhook uses.
+    """
+    if not _openat2_missing:
+        how = _OpenHow(flags=flags | os.O_CLOEXEC, mode=0, resolve=resolve)
+        fd = _syscall(SYS_OPENAT2, dir_fd, _path(path), ctypes.byref(how), ctypes.sizeof(how))
+        if fd >= 0 or ctypes.get_errno() != errno.ENOSYS:
+            return _check(fd, path)
+        _openat2_missing.append(True)
+    return walk_in_root(dir_fd, path, flags, resolve)
+
+
+MAXSYMLINKS: Final = 40  # the kernel's limit on symlinks followed in one lookup
+
+
+def walk_in_root(root_fd: int, path: str, flags: int, resolve: int) -> int:
+    """Userspace ``RESOLVE_IN_ROOT``: one component at a time with O_PATH|O_NOFOLLOW.
+
+    Symlinks are read and re-walked from *root_fd* (absolute) or the current
+    directory (relative), ``..`` never climbs above *root_fd*, and the final
+    object is reopened through ``/proc/self/fd`` so it is exactly the one that
+    was checked. Supports RESOLVE_IN_ROOT and RESOLVE_NO_SYMLINKS (magic links
+    read as ordinary paths, which stay inside the root).
+    """
+    if not _path(path):
+        raise OSError(errno.ENOENT, os.strerror(errno.ENOENT), path)  # as the kernel: "" needs AT_EMPTY_PATH
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    stack = [os.dup(root_fd)]
+    links = 0
+    try:
+        while parts:
+            name = parts.pop(0)
+            if name == "..":
+                if len(stack) > 1:
+                    os.close(stack.pop())
+                continue
+            fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=stack[-1])
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISLNK(mode) and (parts or not flags & os.O_NOFOLLOW):
+                target = os.readlink(name, dir_fd=stack[-1])
+                os.close(fd)
+                links += 1
+                if resolve & RESOLVE_NO_SYMLINKS or links > MAXSYMLINKS:
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+                if target.startswith("/"):
+                    for old in stack[1:]:
+                        os.close(old)
+                    del stack[1:]
+                parts[:0] = [p for p in target.split("/") if p not in ("", ".")]
+                continue
+            if parts and not stat.S_ISDIR(mode):
+                os.close(fd)
+                raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+            stack.append(fd)
+        return _reopen(stack.pop(), flags, path)
+    finally:
+        for fd in stack:
+            os.close(fd)
+
+
+def _reopen(fd: int, flags: int, path: str) -> int:
+    """Turn the walker's O_PATH fd into one opened with *flags*."""
+    if flags & os.O_DIRECTORY and not stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+    if flags & os.O_PATH:
+        return fd
+    try:
+        return os.open(f"/proc/self/fd/{fd}", (flags & ~os.O_NOFOLLOW) | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
 
 
 def open_tree(dir_fd: int, path: str, flags: int) -> int:
