@@ -51,7 +51,7 @@ def run_hook(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[
             f"the OCI state's pid is {state.pid}, not a host pid; run gpuhook as a prestart or createRuntime hook"
         )
     log.info("request_parsed", source=request.source, devices=request.raw,
-             capabilities=sorted(request.capabilities), requirements=list(request.requirements))
+             capabilities=sorted(request.capabilities), requirements=[str(r) for r in request.requirements])
     step = time.monotonic()
     inventory = HostDiscoverer(config).discover()
     log.info("host_discovered", driver=inventory.driver_version, gpus=len(inventory.gpus),

@@ -30,8 +30,10 @@ def run_plan(config_arg: str | None, debug: bool, bundle: str, env: Mapping[str,
         return 0
     plan = make_plan(request, HostDiscoverer(config).discover(), make_target(spec, config))
     _print_json({
-        "request": {"source": request.source, "devices": request.raw, "all": request.all_devices,
-                    "capabilities": sorted(request.capabilities), "requirements": list(request.requirements)},
+        "request": {
+            "source": request.source, "devices": request.raw, "all": request.all_devices,
+            "capabilities": sorted(request.capabilities), "requirements": [str(r) for r in request.requirements],
+        },
         "plan": plan.to_dict(),
     })
     return 0

@@ -19,6 +19,7 @@ from gpuhook.planning.plan import (
     Skipped,
     Symlink,
 )
+from gpuhook.planning.requirements import check_requirements
 from gpuhook.planning.select import select_gpus
 from gpuhook.request.model import Capability, GpuRequest
 
@@ -37,6 +38,7 @@ class Target:
 def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan:
     """Everything to inject for *request*; raises RequestError/DiscoveryError."""
     gpus = select_gpus(request, inventory.gpus)
+    check_requirements(request.requirements, inventory, gpus)
     caps = request.capabilities
     skipped: list[Skipped] = []
     devices = _control_devices(inventory, caps, skipped) + tuple(_gpu_device(inventory, g) for g in gpus)

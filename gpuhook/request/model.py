@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from gpuhook.request.requirements import Requirement
+
 
 class Capability(enum.StrEnum):
     """The NVIDIA_DRIVER_CAPABILITIES names (nvidia-toolkit.md §2.3)."""
@@ -77,7 +79,7 @@ class GpuRequest:
     all_devices: bool
     devices: tuple[DeviceId, ...]
     capabilities: frozenset[Capability]
-    requirements: tuple[str, ...] = ()
+    requirements: tuple[Requirement, ...] = ()
     source: str = "NVIDIA_VISIBLE_DEVICES"
     #: the raw value the devices came from, for error messages
     raw: str = ""

@@ -34,6 +34,7 @@ from gpuhook.request.model import (
     MigIndex,
     MigUuid,
 )
+from gpuhook.request.requirements import Requirement, parse_requirement
 
 VISIBLE_DEVICES: Final = "NVIDIA_VISIBLE_DEVICES"
 DRIVER_CAPABILITIES: Final = "NVIDIA_DRIVER_CAPABILITIES"
@@ -179,12 +180,12 @@ def parse_capabilities(raw: str | None, *, legacy: bool = False) -> frozenset[Ca
     return frozenset(caps)
 
 
-def parse_requirements(env: Mapping[str, str], *, legacy: bool) -> tuple[str, ...]:
+def parse_requirements(env: Mapping[str, str], *, legacy: bool) -> tuple[Requirement, ...]:
     """The NVIDIA_REQUIRE_* expressions (sorted by name), plus the legacy CUDA_VERSION rule."""
     if env.get(DISABLE_REQUIRE, "") in _TRUE:
         return ()
     found = [
-        value
+        parse_requirement(name, value)
         for name, value in sorted(env.items())
         if name.startswith(REQUIRE_PREFIX) and name != "NVIDIA_REQUIRE_JETPACK" and value.strip(_BLANKS)
     ]
@@ -195,5 +196,5 @@ def parse_requirements(env: Mapping[str, str], *, legacy: bool) -> tuple[str, ..
                 f"CUDA_VERSION={env['CUDA_VERSION']!r}: expected a version like 12.4 or 12.4.1 "
                 "(legacy images derive their cuda>= requirement from it)"
             )
-        found.append(f"cuda>={match[1]}.{match[2]}")
+        found.append(parse_requirement("CUDA_VERSION", f"cuda>={match[1]}.{match[2]}"))
     return tuple(found)

@@ -19,7 +19,7 @@ TARGET = Target(libs_dir=LIBS)
 
 def _gpu(i: int) -> Gpu:
     """GPU i with minor i."""
-    return Gpu(index=i, uuid=f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd", minor=i,
+    return Gpu(index=i, uuid=f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd", minor=i, brand="Tesla", arch="9.0",
                pci_bus_id=f"00000000:{0x17 + i:02X}:00.0", model="NVIDIA H100 80GB HBM3")
 
 

@@ -90,7 +90,7 @@ def test_legacy_image_gets_all_gpus_and_capabilities() -> None:
     """CUDA_VERSION without NVIDIA_REQUIRE_CUDA: all GPUs, all capabilities, cuda>= requirement."""
     req = request({"CUDA_VERSION": "11.0.3"})
     assert req is not None and req.all_devices and req.capabilities == ALL_CAPABILITIES
-    assert req.requirements == ("cuda>=11.0",)
+    assert [str(r) for r in req.requirements] == ["cuda>=11.0"]
     assert request({"CUDA_VERSION": "11.0", "NVIDIA_REQUIRE_CUDA": "cuda>=11.0"}) is None
 
 
@@ -98,7 +98,7 @@ def test_requirements_collected_and_disabled() -> None:
     """NVIDIA_REQUIRE_* are collected by name; NVIDIA_DISABLE_REQUIRE=true drops them."""
     env = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_REQUIRE_CUDA": "cuda>=12.0", "NVIDIA_REQUIRE_ARCH": "arch>=8.0"}
     req = request(env)
-    assert req is not None and req.requirements == ("arch>=8.0", "cuda>=12.0")
+    assert req is not None and [str(r) for r in req.requirements] == ["arch>=8.0", "cuda>=12.0"]
     req = request(env | {"NVIDIA_DISABLE_REQUIRE": "true"})
     assert req is not None and req.requirements == ()
 

@@ -1,0 +1,51 @@
+"""Check the image's NVIDIA_REQUIRE_* against the host and the selected GPUs, and explain a mismatch.
+
+"CUDA driver version is insufficient" is the first support question of this
+field; the refusal names the image's requirement, the host's driver and the
+CUDA version it supports, and the three ways out.
+"""
+
+from __future__ import annotations
+
+from gpuhook.errors import RequestError
+from gpuhook.inventory import Gpu, Inventory
+from gpuhook.request.requirements import Facts, Requirement, cuda_needed, driver_hint, satisfied
+
+
+class RequirementError(RequestError):
+    """The host or a selected GPU does not meet the image's requirements."""
+
+
+def check_requirements(requirements: tuple[Requirement, ...], inventory: Inventory, gpus: tuple[Gpu, ...]) -> None:
+    """Raise RequirementError for the first requirement a selected GPU (or the host) does not meet."""
+    scopes: tuple[Gpu | None, ...] = gpus or (None,)
+    for requirement in requirements:
+        for gpu in scopes:
+            facts = Facts(cuda=inventory.cuda_version, driver=inventory.driver_version)
+            if gpu is not None:
+                facts = Facts(cuda=facts.cuda, driver=facts.driver, arch=gpu.arch or None, brand=gpu.brand or None)
+            if not satisfied(requirement, facts):
+                raise RequirementError(_explain(requirement, inventory, gpu))
+
+
+def _explain(requirement: Requirement, inventory: Inventory, gpu: Gpu | None) -> str:
+    """One or two lines a person understands."""
+    wants = f"the image requires {requirement.variable}={requirement.text!r}"
+    host = f"this host's NVIDIA driver {inventory.driver_version} supports CUDA {inventory.cuda_version}"
+    needed = cuda_needed(requirement)
+    if needed is not None and not satisfied(requirement, Facts(cuda="999", driver=inventory.driver_version)):
+        needed = None  # CUDA is not what fails: a driver/arch/brand term does
+    if needed is not None:
+        hint = driver_hint(needed)
+        upgrade = (f"upgrade the driver to {hint} or newer" if hint
+                   else f"upgrade to a driver that supports CUDA {needed}")
+        return (
+            f"{wants}, but {host}. Fix: {upgrade}, use CUDA forward compatibility (the cuda-compat package "
+            f"in the image), or use an image built for CUDA {inventory.cuda_version} or older "
+            "(NVIDIA_DISABLE_REQUIRE=true skips this check)"
+        )
+    where = f"GPU {gpu.index} ({gpu.model}, arch {gpu.arch}, brand {gpu.brand})" if gpu else "this host"
+    return (
+        f"{wants}, which {where} does not meet ({host}). Fix: select a GPU that meets it, "
+        "or set NVIDIA_DISABLE_REQUIRE=true if the image runs anyway"
+    )

@@ -1,0 +1,46 @@
+"""NVIDIA's env contract end to end under runc: requirements and the legacy-image rule."""
+
+from __future__ import annotations
+
+from integration.engines import host_mounts, tree_snapshot
+from integration.fakehost import FakeHost
+
+from .conftest import MakeContainer
+
+DEVICES = "ls /dev | grep -c '^nvidia[0-9]'; dltest libcuda.so.1 libnvidia-encode.so.1"
+
+
+def test_cuda_requirement_refuses_with_host_versions(make_container: MakeContainer, host: FakeHost) -> None:
+    """cuda>=99.0 is refused; the message holds the host's driver and CUDA versions and the fix."""
+    container = make_container("echo started", {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_REQUIRE_CUDA": "cuda>=99.0"})
+    files, mounts = tree_snapshot(container.rootfs), host_mounts()
+    result = container.run()
+    assert result.returncode != 0 and "started" not in result.stdout
+    assert f"driver {host.driver_version} supports CUDA {host.cuda_version}" in result.stderr
+    assert "NVIDIA_REQUIRE_CUDA='cuda>=99.0'" in result.stderr and "NVIDIA_DISABLE_REQUIRE=true" in result.stderr
+    assert tree_snapshot(container.rootfs) == files and host_mounts() == mounts
+
+
+def test_disable_require_lets_it_start(make_container: MakeContainer) -> None:
+    """NVIDIA_DISABLE_REQUIRE=true skips the check."""
+    env = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_REQUIRE_CUDA": "cuda>=99.0", "NVIDIA_DISABLE_REQUIRE": "true"}
+    result = make_container("devopen /dev/nvidia0", env).run()
+    assert result.returncode == 0, result.stderr
+    assert "/dev/nvidia0 ENXIO" in result.stdout
+
+
+def test_brand_and_arch_terms_select_per_gpu(make_container: MakeContainer) -> None:
+    """The usual nvidia/cuda image requirement passes on the simulated Tesla H100s."""
+    env = {"NVIDIA_VISIBLE_DEVICES": "1", "NVIDIA_REQUIRE_CUDA": "cuda>=12.0 brand=tesla,driver>=470,driver<471",
+           "NVIDIA_REQUIRE_ARCH": "arch>=8.0"}
+    assert make_container("devopen /dev/nvidia1", env).run().returncode == 0
+    refused = make_container("true", {"NVIDIA_VISIBLE_DEVICES": "1", "NVIDIA_REQUIRE_BRAND": "brand=geforce"}).run()
+    assert refused.returncode != 0 and "which GPU 1 (NVIDIA H100 80GB HBM3, arch 9.0, brand Tesla)" in refused.stderr
+
+
+def test_legacy_image_gets_all_gpus_and_capabilities(make_container: MakeContainer) -> None:
+    """CUDA_VERSION=11.0 without NVIDIA_VISIBLE_DEVICES: every GPU and every capability (video libs too)."""
+    result = make_container(DEVICES, {"CUDA_VERSION": "11.0"}).run()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "4"
+    assert "dlopen libnvidia-encode.so.1: OK" in result.stdout
