@@ -39,6 +39,9 @@ class Config:
     ldconfig: Path = Path("/sbin/ldconfig")
     #: JSON-lines log; None disables it
     log_file: Path | None = Path("/var/log/gpuhook.log")
+    #: where the host inventory cache lives (a root-owned directory, ideally on tmpfs so a
+    #: reboot empties it); None disables the cache and every GPU container start asks NVML
+    cache_dir: Path | None = Path("/run/gpuhook")
     log_level: str = "info"
     #: NVIDIA's accept-nvidia-visible-devices-envvar-when-unprivileged
     accept_envvar_when_unprivileged: bool = True
@@ -52,6 +55,7 @@ class Config:
 
 _FIELDS: Final = {f.name: f for f in dataclasses.fields(Config)}
 _PATH_KEYS: Final = ("driver_root", "dev_root", "proc_root", "ldconfig")
+_OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir")  # null disables the feature
 _BOOL_KEYS: Final = ("accept_envvar_when_unprivileged", "accept_volume_mounts", "no_cgroups")
 
 
@@ -98,11 +102,11 @@ def parse_config(text: str, *, source: str = "<config>") -> Config:
 def _convert(key: str, value: Any, source: str) -> Any:
     """Check and convert one setting."""
     where = f"{source}: {key}"
-    if key in _PATH_KEYS or (key == "log_file" and value is not None):
+    if key in _PATH_KEYS or (key in _OPTIONAL_PATH_KEYS and value is not None):
         if not isinstance(value, str) or not value.startswith("/"):
             raise ConfigError(f"{where} must be an absolute path, got {value!r}")
         return Path(value)
-    if key == "log_file":
+    if key in _OPTIONAL_PATH_KEYS:
         return None
     if key in _BOOL_KEYS:
         if not isinstance(value, bool):

@@ -1,14 +1,23 @@
 """The host's GPU inventory: pure values shared by discovery and planning.
 
-Discovery builds an ``Inventory`` once per container start; the planner only
-reads it. Host paths here are absolute paths on the host, already resolved
-inside the configured driver/dev/proc roots.
+Discovery builds an ``Inventory`` (or loads it from the inventory cache); the
+planner only reads it. Host paths here are absolute paths on the host, already
+resolved inside the configured driver/dev/proc roots.
+
+``Inventory.to_dict``/``Inventory.from_dict`` are the JSON form the cache
+stores. The cache is written by root, but ``from_dict`` still checks every
+type: a damaged or foreign file must be a cache miss, never a traceback or a
+half-filled inventory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,3 +78,113 @@ class Inventory:
     def gpu_node(self, minor: int) -> HostDevice | None:
         """The host's /dev/nvidia<minor>, if it exists."""
         return next((n for n in self.gpu_nodes if n.minor == minor), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (paths as strings); ``from_dict`` reads it back unchanged."""
+        proc = self.proc_driver
+        return {
+            "driver_version": self.driver_version,
+            "cuda_version": self.cuda_version,
+            "gpus": [{"index": g.index, "uuid": g.uuid, "minor": g.minor, "pci_bus_id": g.pci_bus_id,
+                      "model": g.model, "brand": g.brand, "arch": g.arch} for g in self.gpus],
+            "gpu_nodes": [_device_dict(n) for n in self.gpu_nodes],
+            "control_nodes": [_device_dict(n) for n in self.control_nodes],
+            "libraries": [_file_dict(f) for f in self.libraries],
+            "binaries": [_file_dict(f) for f in self.binaries],
+            "firmware": [_file_dict(f) for f in self.firmware],
+            "ipc": [_file_dict(f) for f in self.ipc],
+            "proc_driver": None if proc is None else {
+                "host_dir": str(proc.host_dir),
+                "files": [[name, text] for name, text in proc.files],
+                "gpu_dirs": list(proc.gpu_dirs),
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Inventory:
+        """Rebuild an inventory from ``to_dict`` output; raises ValueError on anything else."""
+        proc: dict[str, Any] | None = _get(data, "proc_driver", (dict, type(None)))
+        return cls(
+            driver_version=_get(data, "driver_version", str),
+            cuda_version=_get(data, "cuda_version", str),
+            gpus=_items(data, "gpus", _gpu),
+            gpu_nodes=_items(data, "gpu_nodes", _device),
+            control_nodes=_items(data, "control_nodes", _device),
+            libraries=_items(data, "libraries", _file),
+            binaries=_items(data, "binaries", _file),
+            firmware=_items(data, "firmware", _file),
+            ipc=_items(data, "ipc", _file),
+            proc_driver=None if proc is None else ProcDriver(
+                host_dir=_path(proc, "host_dir"),
+                files=_items(proc, "files", _name_and_text),
+                gpu_dirs=_items(proc, "gpu_dirs", _str),
+            ),
+        )
+
+
+# --- JSON form helpers (strict: bool is not an int, paths are absolute) -----------------------
+
+
+def _device_dict(node: HostDevice) -> dict[str, Any]:
+    """A HostDevice as JSON data."""
+    return {"name": node.name, "host_path": str(node.host_path), "major": node.major, "minor": node.minor}
+
+
+def _file_dict(item: DriverFile) -> dict[str, Any]:
+    """A DriverFile as JSON data."""
+    return {"name": item.name, "host_path": str(item.host_path)}
+
+
+def _get(data: Any, key: str, kind: type[T] | tuple[type, ...]) -> T:
+    """``data[key]``, which must be of *kind* (a bool never passes for an int)."""
+    if not isinstance(data, dict) or key not in data:
+        raise ValueError(f"inventory: missing {key!r}")
+    value = data[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise ValueError(f"inventory: {key!r} has the wrong type ({type(value).__name__})")
+    return value  # type: ignore[return-value]  # checked against kind just above
+
+
+def _path(data: Any, key: str) -> Path:
+    """An absolute host path."""
+    value = _get(data, key, str)
+    if not value.startswith("/"):
+        raise ValueError(f"inventory: {key!r} is not an absolute path: {value!r}")
+    return Path(value)
+
+
+def _items(data: Any, key: str, decode: Callable[[Any], T]) -> tuple[T, ...]:
+    """A list of entries, each decoded by *decode*."""
+    return tuple(decode(item) for item in _get(data, key, list))
+
+
+def _str(value: Any) -> str:
+    """A string list entry."""
+    if not isinstance(value, str):
+        raise ValueError(f"inventory: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _name_and_text(value: Any) -> tuple[str, str]:
+    """A [name, text] pair."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError("inventory: expected a [name, text] pair")
+    return _str(value[0]), _str(value[1])
+
+
+def _gpu(data: Any) -> Gpu:
+    """A Gpu entry."""
+    return Gpu(index=_get(data, "index", int), uuid=_get(data, "uuid", str), minor=_get(data, "minor", int),
+               pci_bus_id=_get(data, "pci_bus_id", str), model=_get(data, "model", str),
+               brand=_get(data, "brand", str), arch=_get(data, "arch", str))
+
+
+def _device(data: Any) -> HostDevice:
+    """A HostDevice entry."""
+    return HostDevice(name=_get(data, "name", str), host_path=_path(data, "host_path"),
+                      major=_get(data, "major", int), minor=_get(data, "minor", int))
+
+
+def _file(data: Any) -> DriverFile:
+    """A DriverFile entry."""
+    return DriverFile(name=_get(data, "name", str), host_path=_path(data, "host_path"))

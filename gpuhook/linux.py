@@ -19,6 +19,7 @@ import ctypes
 import errno
 import os
 import stat
+import struct
 from typing import Final
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -275,3 +276,87 @@ def shared_mount_ids() -> frozenset[int]:
 def fd_path(fd: int) -> str:
     """The path the kernel reports for *fd* (for verification and messages)."""
     return os.readlink(f"/proc/self/fd/{fd}")
+
+
+# --- bpf(2), for cgroup v2 device programs ---------------------------------------------------
+
+#: bpf(2) is not one of the unified >= 424 numbers.
+SYS_BPF: Final = {"x86_64": 321, "aarch64": 280}.get(os.uname().machine, 321)
+BPF_PROG_LOAD: Final = 5
+BPF_PROG_ATTACH: Final = 8
+BPF_PROG_GET_FD_BY_ID: Final = 13
+BPF_OBJ_GET_INFO_BY_FD: Final = 15
+BPF_PROG_QUERY: Final = 16
+BPF_PROG_TYPE_CGROUP_DEVICE: Final = 15
+BPF_CGROUP_DEVICE: Final = 6
+BPF_F_ALLOW_MULTI: Final = 2
+BPF_F_REPLACE: Final = 4
+_ATTR_SIZE: Final = 144
+_INFO_SIZE: Final = 232  # struct bpf_prog_info up to the fields we read, zero-padded
+
+
+def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char], what: str) -> int:
+    """One bpf(2) call with a filled ``union bpf_attr``."""
+    return _check(_syscall(SYS_BPF, cmd, attr, _ATTR_SIZE), what)
+
+
+def _attr(*fields: tuple[int, str, int]) -> ctypes.Array[ctypes.c_char]:
+    """A zeroed bpf_attr with (offset, struct format, value) fields set."""
+    attr = ctypes.create_string_buffer(_ATTR_SIZE)
+    for offset, fmt, value in fields:
+        struct.pack_into(fmt, attr, offset, value)
+    return attr
+
+
+def bpf_query_device_programs(cgroup_fd: int) -> list[int]:
+    """Ids of the BPF_CGROUP_DEVICE programs attached to a cgroup directory."""
+    ids = (ctypes.c_uint32 * 64)()
+    attr = _attr((0, "<I", cgroup_fd), (4, "<I", BPF_CGROUP_DEVICE), (16, "<Q", ctypes.addressof(ids)), (24, "<I", 64))
+    _bpf(BPF_PROG_QUERY, attr, "BPF_PROG_QUERY")
+    count = struct.unpack_from("<I", attr, 24)[0]
+    return list(ids[:count])
+
+
+def bpf_program_fd(prog_id: int) -> int:
+    """An fd for the program with id *prog_id*."""
+    return _bpf(BPF_PROG_GET_FD_BY_ID, _attr((0, "<I", prog_id)), f"BPF_PROG_GET_FD_BY_ID {prog_id}")
+
+
+def bpf_program_instructions(prog_fd: int) -> bytes:
+    """The program's (verifier-translated) instructions, as the kernel reports them."""
+    info = ctypes.create_string_buffer(_INFO_SIZE)
+    attr = _attr((0, "<I", prog_fd), (4, "<I", _INFO_SIZE), (8, "<Q", ctypes.addressof(info)))
+    _bpf(BPF_OBJ_GET_INFO_BY_FD, attr, "BPF_OBJ_GET_INFO_BY_FD")
+    length = struct.unpack_from("<I", info, 20)[0]  # xlated_prog_len
+    insns = ctypes.create_string_buffer(length)
+    info = ctypes.create_string_buffer(_INFO_SIZE)
+    struct.pack_into("<I", info, 20, length)
+    struct.pack_into("<Q", info, 32, ctypes.addressof(insns))  # xlated_prog_insns
+    attr = _attr((0, "<I", prog_fd), (4, "<I", _INFO_SIZE), (8, "<Q", ctypes.addressof(info)))
+    _bpf(BPF_OBJ_GET_INFO_BY_FD, attr, "BPF_OBJ_GET_INFO_BY_FD")
+    return insns.raw[:length]
+
+
+def bpf_load_device_program(insns: bytes, name: bytes = b"gpuhook_dev") -> int:
+    """Load a BPF_PROG_TYPE_CGROUP_DEVICE program; the verifier's log is in the error."""
+    code = ctypes.create_string_buffer(insns, len(insns))
+    license_ = ctypes.create_string_buffer(b"GPL")
+    log = ctypes.create_string_buffer(1 << 16)
+    attr = _attr(
+        (0, "<I", BPF_PROG_TYPE_CGROUP_DEVICE), (4, "<I", len(insns) // 8), (8, "<Q", ctypes.addressof(code)),
+        (16, "<Q", ctypes.addressof(license_)), (24, "<I", 1), (28, "<I", len(log)), (32, "<Q", ctypes.addressof(log)),
+        (68, "<I", BPF_CGROUP_DEVICE),
+    )
+    struct.pack_into("16s", attr, 48, name[:15])
+    try:
+        return _bpf(BPF_PROG_LOAD, attr, "BPF_PROG_LOAD")
+    except OSError as err:
+        tail = log.value.decode("ascii", "replace").strip().splitlines()[-3:]
+        raise OSError(err.errno, f"{err.strerror}: {' / '.join(tail)}", "BPF_PROG_LOAD") from err
+
+
+def bpf_replace_device_program(cgroup_fd: int, new_fd: int, old_fd: int) -> None:
+    """Atomically swap *old_fd* for *new_fd* on the cgroup (BPF_F_ALLOW_MULTI | BPF_F_REPLACE)."""
+    attr = _attr((0, "<I", cgroup_fd), (4, "<I", new_fd), (8, "<I", BPF_CGROUP_DEVICE),
+                 (12, "<I", BPF_F_ALLOW_MULTI | BPF_F_REPLACE), (16, "<I", old_fd))
+    _bpf(BPF_PROG_ATTACH, attr, "BPF_PROG_ATTACH")

@@ -48,7 +48,9 @@ __all__ = [
     "write_bundle",
 ]
 
-Engine = Literal["runc", "crun"]
+#: "runc-cgroup2" is runc in cgroup v2 mode: cgroup2 mounted over /sys/fs/cgroup in a private mount
+#: namespace (runtime-lab.md §1), so runc programs device access with eBPF instead of devices.allow.
+Engine = Literal["runc", "crun", "runc-cgroup2"]
 
 DEFAULT_PATH: Final = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # `runc spec`'s capability set; tests that mknod must add CAP_MKNOD explicitly.
@@ -64,7 +66,9 @@ CRUN_HOOK_OUTPUT_ANNOTATIONS: Final = {
 }
 
 # Where each engine keeps container state when run as root with its default --root.
-_STATE_ROOT: Final[dict[str, Path]] = {"runc": Path("/run/runc"), "crun": Path("/run/crun")}
+_STATE_ROOT: Final[dict[str, Path]] = {
+    "runc": Path("/run/runc"), "crun": Path("/run/crun"), "runc-cgroup2": Path("/run/runc"),
+}
 _INSTALL: Final = {
     "runc": "apt-get install -y runc",
     "crun": "apt-get install -y crun",
@@ -79,6 +83,7 @@ _INSTALL: Final = {
 _SEARCH_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Run "$@" with cgroup2 unmounted from a private mount ns: crun's hybrid-mode workaround.
 _CRUN_WRAPPER: Final = 'umount /sys/fs/cgroup/unified 2>/dev/null; exec "$@"'
+_CGROUP2_WRAPPER: Final = 'mount -t cgroup2 cgroup2 /sys/fs/cgroup && exec "$@"'
 _DELETE_TIMEOUT_S: Final = 15.0
 # How long a killed container's engine gets to notice, reap it and clean up by itself.
 _GRACE_S: Final = 5.0
@@ -263,6 +268,9 @@ def _engine_argv(engine: Engine, *args: str) -> list[str]:
         # unshare(1) makes the new mount ns private by default, so the umount stays in it.
         return [require_tool("unshare"), "--mount", "--propagation", "private", "--",
                 require_tool("sh"), "-c", _CRUN_WRAPPER, "crun", require_tool("crun"), *args]
+    if engine == "runc-cgroup2":
+        return [require_tool("unshare"), "--mount", "--propagation", "private", "--",
+                require_tool("sh"), "-c", _CGROUP2_WRAPPER, "runc", require_tool("runc"), *args]
     raise ValueError(f"unknown engine {engine!r}")
 
 

@@ -55,13 +55,14 @@ def apply_plan(plan: Plan, container: ContainerRef, *, ldconfig: Path, timeout: 
     """Apply *plan* to *container*; raises ApplyError."""
     pidfd = _open_container(container.pid)
     try:
-        cgroup_dir = cgroups.device_cgroup_dir(container.pid) if plan.cgroup_rules else None
-        added = cgroups.allow(cgroup_dir, plan.cgroup_rules) if cgroup_dir else []
+        undo_cgroup = None
+        if plan.cgroup_rules:
+            undo_cgroup = cgroups.grant(cgroups.locate_device_cgroup(container.pid), plan.cgroup_rules)
         try:
             return _run_child(plan, pidfd, container, ldconfig, timeout)
         except BaseException:
-            if cgroup_dir is not None:
-                cgroups.deny(cgroup_dir, added)
+            if undo_cgroup is not None:
+                undo_cgroup()
             raise
     finally:
         os.close(pidfd)

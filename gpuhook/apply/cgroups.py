@@ -1,24 +1,37 @@
-"""Device-cgroup rules for the container (cgroup v1 ``devices.allow``).
+"""Device-cgroup rules for the container, on cgroup v1 (``devices.allow``) or v2 (eBPF).
 
 The container's cgroup is found from the host's view of its pid
-(``/proc/<pid>/cgroup`` and the host's mountinfo), never from the rootfs.
-Rules are exact (``c MAJOR:MINOR rw``); a rule the cgroup already grants is
-not written again, so rollback (``devices.deny``) only removes what we added.
+(``/proc/<pid>/cgroup`` and the hook's mountinfo), never from the rootfs.
+Rules are exact (``c MAJOR:MINOR rw``). On v1 a rule the cgroup already grants
+is not written again, so rollback (``devices.deny``) only removes what we
+added; on v2 the runtime's program is extended and swapped atomically, and
+rollback swaps the original back (``cgroupv2.py``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Final
 
 from gpuhook.errors import ApplyError
 from gpuhook.planning.plan import CgroupRule
 
-V2_UNSUPPORTED: Final = (
-    "the container's device access is controlled by cgroup v2 (eBPF), which gpuhook cannot program yet; "
-    "set `no_cgroups: true` and let the runtime allow the GPU devices (for example with --device)"
+NOT_FOUND: Final = (
+    "has neither a v1 devices cgroup nor a cgroup2 directory the hook can see; "
+    "set `no_cgroups: true` if the runtime itself allows the GPU devices"
 )
+Undo = Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCgroup:
+    """Where the container's device access is decided: a v1 devices dir or a v2 cgroup dir."""
+
+    version: int
+    path: Path
 
 
 def parse_cgroup_file(text: str) -> dict[str, str]:
@@ -32,15 +45,19 @@ def parse_cgroup_file(text: str) -> dict[str, str]:
     return out
 
 
-def devices_mount(mountinfo: str) -> tuple[str, str] | None:
-    """(mount root, mount point) of the v1 devices hierarchy in a mountinfo text."""
+def cgroup_mounts(mountinfo: str, *, v2: bool) -> list[tuple[str, str]]:
+    """(mount root, mount point) of the v1 devices hierarchies, or of the cgroup2 ones, in mount order."""
+    found = []
     for line in mountinfo.splitlines():
         head, _, tail = line.partition(" - ")
         fields, tail_fields = head.split(), tail.split()
-        is_cgroup_v1 = len(fields) >= 5 and len(tail_fields) >= 3 and tail_fields[0] == "cgroup"
-        if is_cgroup_v1 and "devices" in tail_fields[2].split(","):
-            return _unescape(fields[3]), _unescape(fields[4])
-    return None
+        if len(fields) < 5 or len(tail_fields) < 3:
+            continue
+        if (v2 and tail_fields[0] == "cgroup2") or (
+            not v2 and tail_fields[0] == "cgroup" and "devices" in tail_fields[2].split(",")
+        ):
+            found.append((_unescape(fields[3]), _unescape(fields[4])))
+    return found
 
 
 def _unescape(field: str) -> str:
@@ -48,26 +65,50 @@ def _unescape(field: str) -> str:
     return field.encode().decode("unicode_escape") if "\\" in field else field
 
 
-def device_cgroup_dir(pid: int, *, proc: Path = Path("/proc")) -> Path:
-    """The host directory of the devices cgroup of *pid*; raises ApplyError."""
+def locate_device_cgroup(pid: int, *, proc: Path = Path("/proc")) -> DeviceCgroup:
+    """The cgroup that decides *pid*'s device access; raises ApplyError."""
     try:
         groups = parse_cgroup_file((proc / str(pid) / "cgroup").read_text())
-        mount = devices_mount((proc / "self" / "mountinfo").read_text())
+        mountinfo = (proc / "self" / "mountinfo").read_text()
     except OSError as err:
         raise ApplyError("find device cgroup", f"pid {pid}", errno_=err.errno) from err
-    path = groups.get("devices")
-    if path is None or mount is None or (path == "/" and groups.get("", "/") != "/"):
-        raise ApplyError("device cgroup", f"pid {pid}", detail=V2_UNSUPPORTED)
-    root, mountpoint = mount
+    v1 = groups.get("devices")
+    v1_mounts = cgroup_mounts(mountinfo, v2=False)
+    if v1 is not None and v1 != "/" and v1_mounts:
+        root, mountpoint = v1_mounts[-1]
+        return DeviceCgroup(1, _join(root, mountpoint, v1))
+    v2 = groups.get("")
+    if v2 is not None:
+        # A later mount can cover an earlier one (runc in v2 mode mounts cgroup2 over /sys/fs/cgroup):
+        # the last hierarchy that holds the container's directory is the visible one.
+        for root, mountpoint in reversed(cgroup_mounts(mountinfo, v2=True)):
+            path = _join(root, mountpoint, v2)
+            if path.is_dir():
+                return DeviceCgroup(2, path)
+    raise ApplyError("find device cgroup", f"pid {pid}", detail=NOT_FOUND)
+
+
+def _join(root: str, mountpoint: str, path: str) -> Path:
+    """The host directory of cgroup *path* in a hierarchy mounted from *root* at *mountpoint*."""
     rel = PurePosixPath(path)
+    if ".." in rel.parts:
+        raise ApplyError("find device cgroup", path, detail="contains '..'")
     if root != "/":
         try:
             rel = PurePosixPath("/") / rel.relative_to(root)
         except ValueError as err:
-            raise ApplyError("device cgroup", path, detail=f"is outside the devices mount root {root}") from err
-    if ".." in rel.parts:
-        raise ApplyError("device cgroup", path, detail="contains '..'")
+            raise ApplyError("find device cgroup", path, detail=f"is outside the mount root {root}") from err
     return Path(mountpoint, *rel.parts[1:])
+
+
+def grant(cgroup: DeviceCgroup, rules: tuple[CgroupRule, ...]) -> Undo:
+    """Allow *rules* in *cgroup*; returns how to take them back."""
+    if cgroup.version == 2:
+        from gpuhook.apply import cgroupv2  # bpf only where v2 is in use
+
+        return cgroupv2.grant(cgroup.path, rules)
+    added = allow(cgroup.path, rules)
+    return lambda: deny(cgroup.path, added)
 
 
 def _covered(rule: CgroupRule, listing: str) -> bool:

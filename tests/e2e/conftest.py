@@ -53,7 +53,7 @@ def make_container(tmp_path: Path, host: FakeHost, rootfs_src: Path) -> MakeCont
     counter = iter(range(1000))
 
     def make(script: str, env: dict[str, str], *, engine: str = "runc", hook: dict[str, Any] | None = None,
-             prepare: Callable[[Path], None] | None = None) -> Container:
+             hooks: list[dict[str, Any]] | None = None, prepare: Callable[[Path], None] | None = None) -> Container:
         bundle = tmp_path / f"bundle{next(counter)}"
         bundle.mkdir()
         rootfs = copy_rootfs(rootfs_src, bundle / "rootfs")
@@ -62,7 +62,7 @@ def make_container(tmp_path: Path, host: FakeHost, rootfs_src: Path) -> MakeCont
         spec = default_spec(
             "rootfs", ["/bin/sh", "-c", script],
             ["PATH=/usr/local/bin:/usr/bin:/bin", *(f"{k}={v}" for k, v in env.items())],
-            hooks={"prestart": [hook or hook_entry(host.config_path, "prestart")]},
+            hooks={"prestart": hooks if hooks is not None else [hook or hook_entry(host.config_path, "prestart")]},
             capabilities=["CAP_MKNOD"],
             annotations=dict(CRUN_HOOK_OUTPUT_ANNOTATIONS) if engine == "crun" else None,
         )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuhook.apply.cgroups import _covered, device_cgroup_dir, devices_mount, parse_cgroup_file
+from gpuhook.apply.cgroups import DeviceCgroup, _covered, cgroup_mounts, locate_device_cgroup, parse_cgroup_file
 from gpuhook.errors import ApplyError
 from gpuhook.planning.plan import CgroupRule
 
@@ -29,26 +29,37 @@ def _proc(tmp_path: Path, cgroup: str, mountinfo: str = MOUNTINFO) -> Path:
 def test_v1_devices_dir(tmp_path: Path) -> None:
     """runc's /<id>, docker's /docker/<id>: joined under the devices mount."""
     proc = _proc(tmp_path, "4:devices:/docker/abc\n3:cpu:/docker/abc\n0::/docker/abc\n")
-    assert device_cgroup_dir(7, proc=proc) == Path("/sys/fs/cgroup/devices/docker/abc")
+    assert locate_device_cgroup(7, proc=proc) == DeviceCgroup(1, Path("/sys/fs/cgroup/devices/docker/abc"))
+
+
+def test_v2_dir_is_the_visible_hierarchy(tmp_path: Path) -> None:
+    """runc in v2 mode: devices:/ is the v1 root, so the cgroup2 dir that exists is used (the last mounted)."""
+    mounts = tmp_path / "mnt"
+    (mounts / "late/abc").mkdir(parents=True)
+    mountinfo = MOUNTINFO + f"50 25 0:40 / {mounts}/early rw - cgroup2 cgroup2 rw\n" \
+        f"51 25 0:40 / {mounts}/late rw - cgroup2 cgroup2 rw\n"
+    proc = _proc(tmp_path, "4:devices:/\n0::/abc\n", mountinfo)
+    assert locate_device_cgroup(7, proc=proc) == DeviceCgroup(2, mounts / "late/abc")
 
 
 @pytest.mark.parametrize(
     ("cgroup", "message"),
     [
-        pytest.param("0::/abc\n", "cgroup v2", id="pure-v2"),
-        pytest.param("4:devices:/\n0::/abc\n", "cgroup v2", id="runc-v2-mode"),
+        pytest.param("0::/abc\n", "neither a v1 devices cgroup nor a cgroup2 directory", id="v2-dir-missing"),
         pytest.param("4:devices:/../../etc\n", r"'\.\.'", id="traversal"),
+        pytest.param("0::/../../etc\n", r"'\.\.'", id="v2-traversal"),
     ],
 )
 def test_refusals(tmp_path: Path, cgroup: str, message: str) -> None:
     """v2 and traversal are refused with a message, never followed."""
     with pytest.raises(ApplyError, match=message):
-        device_cgroup_dir(7, proc=_proc(tmp_path, cgroup))
+        locate_device_cgroup(7, proc=_proc(tmp_path, cgroup))
 
 
 def test_parsers() -> None:
     """mountinfo and /proc/pid/cgroup decoding."""
-    assert devices_mount(MOUNTINFO) == ("/", "/sys/fs/cgroup/devices")
+    assert cgroup_mounts(MOUNTINFO, v2=False) == [("/", "/sys/fs/cgroup/devices")]
+    assert cgroup_mounts(MOUNTINFO, v2=True) == [("/", "/sys/fs/cgroup/unified")]
     assert parse_cgroup_file("12:cpu,cpuacct:/x\n0::/y\n") == {"cpu": "/x", "cpuacct": "/x", "": "/y"}
 
 
