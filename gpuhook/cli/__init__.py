@@ -33,12 +33,15 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser(stage, help="accepted for NVIDIA compatibility; does nothing")
     plan = commands.add_parser("plan", help="dry run: print the plan for a bundle as JSON")
     plan.add_argument("--bundle", required=True, help="the OCI bundle directory (holding config.json)")
+    edit = commands.add_parser("spec-edit", help="write the requested GPU devices into <bundle>/config.json")
+    edit.add_argument("--bundle", required=True, help="the OCI bundle directory (holding config.json)")
+    commands.add_parser("precreate", help="podman's precreate stage: spec on stdin, edited spec on stdout")
     info = commands.add_parser("info", help="the host's driver and GPUs")
     info.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one return per command
     """Run one command; returns the process exit status."""
     args = _parser().parse_args(argv)
     try:
@@ -49,6 +52,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in NOOP_STAGES:
             sys.stdin.buffer.read()  # drain: a runtime may block writing the state
             return 0
+        if args.command in ("spec-edit", "precreate"):
+            from gpuhook.cli import specedit
+
+            if args.command == "spec-edit":
+                return specedit.run_spec_edit(args.config, args.debug, args.bundle, os.environ)
+            return specedit.run_precreate(args.config, args.debug, sys.stdin.buffer, os.environ)
         from gpuhook.cli import inspect
 
         if args.command == "plan":

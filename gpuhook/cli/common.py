@@ -1,4 +1,4 @@
-"""Steps shared by the CLI commands: config, logging, reading the bundle, container facts."""
+"""Steps shared by the CLI commands: config, logging, container facts (config.json: ``cli.bundle``)."""
 
 from __future__ import annotations
 
@@ -9,32 +9,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gpuhook import linux
+from gpuhook.cli.bundle import read_spec as read_spec  # noqa: PLC0414 - re-export; it lives in cli.bundle
 from gpuhook.config import Config, load_config, resolve_config_path
 from gpuhook.errors import SpecError
-from gpuhook.oci.spec import SPEC_LIMIT, BundleSpec, parse_spec
+from gpuhook.oci.spec import BundleSpec
 from gpuhook.planning.paths import libs_dir
 from gpuhook.planning.planner import Target
-
-
-def read_spec(bundle: Path) -> BundleSpec:
-    """Read and parse ``<bundle>/config.json`` (size-capped)."""
-    path = bundle / "config.json"
-    try:
-        bundle_fd = os.open(bundle, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            # O_NOFOLLOW: never a symlink to a host file; O_NONBLOCK: a FIFO cannot hang the open.
-            fd = os.open("config.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=bundle_fd)
-        finally:
-            os.close(bundle_fd)
-    except OSError as err:
-        raise SpecError(f"cannot open {path}: {err.strerror}") from err
-    with os.fdopen(fd, "rb") as handle:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SpecError(f"{path} is not a regular file")
-        if st.st_size > SPEC_LIMIT:
-            raise SpecError(f"{path} is {st.st_size} bytes; the limit is {SPEC_LIMIT}")
-        return parse_spec(handle.read(SPEC_LIMIT + 1), bundle)
 
 
 def load_settings(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> Config:
@@ -82,4 +62,5 @@ def make_target(spec: BundleSpec, config: Config) -> Target:
     return Target(
         libs_dir=libs_dir(debian_like=is_debian_like(spec.rootfs), machine=platform.machine()),
         manage_cgroups=not config.no_cgroups,
+        runtime_devices=spec.runtime_devices,
     )

@@ -31,6 +31,8 @@ class BundleSpec:
     rootfs: Path
     privileged: bool
     mounts: tuple[MountSpec, ...] = ()
+    #: (major, minor) of character devices the runtime itself creates and allows rw
+    runtime_devices: frozenset[tuple[int, int]] = frozenset()
 
 
 def parse_spec(data: bytes, bundle: Path) -> BundleSpec:
@@ -41,6 +43,7 @@ def parse_spec(data: bytes, bundle: Path) -> BundleSpec:
         if key not in obj:
             raise SpecError(f"{what}: missing {key!r}; is this an OCI bundle?")
     process = strictjson.get_obj(obj, "process", what=what)
+    linux = strictjson.get_obj(obj, "linux", what=what)
     root_path = strictjson.get_str(strictjson.get_obj(obj, "root", what=what), "path", what=what)
     rootfs = Path(root_path) if root_path.startswith("/") else bundle / root_path
     return BundleSpec(
@@ -48,6 +51,7 @@ def parse_spec(data: bytes, bundle: Path) -> BundleSpec:
         rootfs=rootfs,
         privileged=_has_sys_admin(process.get("capabilities"), what),
         mounts=tuple(_parse_mount(m, what) for m in strictjson.get_list(obj, "mounts", what=what)),
+        runtime_devices=_runtime_devices(linux, what),
     )
 
 
@@ -78,6 +82,38 @@ def _has_sys_admin(caps: Any, what: str) -> bool:
     else:
         raise SpecError(f"{what}: process.capabilities must be an object, got {caps!r}")
     return "CAP_SYS_ADMIN" in bounding
+
+
+def _runtime_devices(linux: Mapping[str, Any], what: str) -> frozenset[tuple[int, int]]:
+    """Char devices in ``linux.devices`` whose last matching ``resources.devices`` rule allows rw.
+
+    The runtime creates these nodes and programs the cgroup for them itself (the
+    spec-edit mode puts the GPUs here), so the hook leaves them alone.
+    """
+    nodes = set()
+    for entry in strictjson.get_list(linux, "devices", what=what):
+        if isinstance(entry, dict) and entry.get("type") == "c":
+            major, minor = strictjson.get_int(entry, "major", what=what), strictjson.get_int(entry, "minor", what=what)
+            if major is not None and minor is not None:
+                nodes.add((major, minor))
+    rules = strictjson.get_list(strictjson.get_obj(linux, "resources", what=what), "devices", what=what)
+    return frozenset(node for node in nodes if _allowed(node, rules))
+
+
+def _allowed(node: tuple[int, int], rules: list[Any]) -> bool:
+    """runc's reading of resources.devices: the last rule that matches decides; null numbers match all."""
+    verdict = False
+    for rule in rules:
+        if not isinstance(rule, dict) or rule.get("type", "a") not in ("a", "c"):
+            continue
+        if rule.get("major") not in (None, node[0]) or rule.get("minor") not in (None, node[1]):
+            continue
+        access = rule.get("access", "rwm")
+        if rule.get("allow") is True and isinstance(access, str) and {"r", "w"} <= set(access):
+            verdict = True
+        elif rule.get("allow") is False:
+            verdict = False
+    return verdict
 
 
 def _parse_mount(entry: Any, what: str) -> MountSpec:

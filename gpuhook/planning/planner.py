@@ -33,15 +33,36 @@ class Target:
 
     libs_dir: str
     manage_cgroups: bool = True
+    #: (major, minor) of nodes the runtime already creates and allows (spec-edit mode): left to it
+    runtime_devices: frozenset[tuple[int, int]] = frozenset()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DevicePlan:
+    """The selected GPUs and every device node they need."""
+
+    gpus: tuple[Gpu, ...]
+    devices: tuple[DeviceNode, ...]
+    skipped: tuple[Skipped, ...]
+
+
+def plan_devices(request: GpuRequest, inventory: Inventory) -> DevicePlan:
+    """Select the GPUs, check the image's requirements, list the nodes; raises RequestError/DiscoveryError."""
+    gpus = select_gpus(request, inventory.gpus)
+    check_requirements(request.requirements, inventory, gpus)
+    skipped: list[Skipped] = []
+    control = _control_devices(inventory, request.capabilities, skipped)
+    return DevicePlan(gpus=gpus, devices=control + tuple(_gpu_device(inventory, g) for g in gpus),
+                      skipped=tuple(skipped))
 
 
 def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan:
     """Everything to inject for *request*; raises RequestError/DiscoveryError."""
-    gpus = select_gpus(request, inventory.gpus)
-    check_requirements(request.requirements, inventory, gpus)
+    device_plan = plan_devices(request, inventory)
+    gpus = device_plan.gpus
     caps = request.capabilities
-    skipped: list[Skipped] = []
-    devices = _control_devices(inventory, caps, skipped) + tuple(_gpu_device(inventory, g) for g in gpus)
+    skipped = list(device_plan.skipped)
+    devices = tuple(d for d in device_plan.devices if (d.major, d.minor) not in target.runtime_devices)
     libraries = _libraries(inventory, caps, target.libs_dir, skipped)
     mounts = libraries + _binaries(inventory, caps, skipped) + _firmware(inventory, caps) + _ipc(inventory, caps)
     mounted = {m.target for m in libraries}

@@ -85,3 +85,19 @@ def test_any_json_parses_or_raises_our_error(value: object) -> None:
                 parse(data)
             except SpecError:
                 pass
+
+
+def test_runtime_owned_devices() -> None:
+    """Char devices in linux.devices count as runtime-owned when the last matching rule allows rw."""
+    linux = {
+        "devices": [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0},
+                    {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1},
+                    {"path": "/dev/sda", "type": "b", "major": 8, "minor": 0}],
+        "resources": {"devices": [{"allow": False, "access": "rwm"},
+                                  {"allow": True, "type": "c", "major": 195, "minor": 0, "access": "rw"},
+                                  {"allow": True, "type": "c", "major": 195, "minor": 1, "access": "r"},
+                                  {"allow": True, "type": "a", "access": "rwm"},
+                                  {"allow": False, "type": "c", "major": 195, "minor": 1, "access": "rwm"}]},
+    }
+    data = json.dumps({"ociVersion": "1", "process": {}, "root": {"path": "r"}, "linux": linux}).encode()
+    assert parse_spec(data, Path("/b")).runtime_devices == {(195, 0)}

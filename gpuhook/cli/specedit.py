@@ -1,0 +1,68 @@
+"""``gpuhook spec-edit --bundle DIR`` and ``gpuhook precreate``: put the GPU devices into the spec.
+
+The durable alternative to rules added behind the runtime's back (see
+``planning/specedit.py``): run before the runtime starts, by a runtime wrapper
+(``spec-edit``, editing ``<bundle>/config.json`` in place) or by podman's
+``precreate`` hook stage (spec on stdin, edited spec on stdout). The prestart
+hook then finds the devices in the spec and leaves nodes and rules to the runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gpuhook.cli.common import load_settings, read_spec
+from gpuhook.cli.hygiene import read_bounded
+from gpuhook.config import Config
+from gpuhook.discovery.host import HostDiscoverer
+from gpuhook.oci import strictjson
+from gpuhook.oci.spec import SPEC_LIMIT, BundleSpec, parse_spec
+from gpuhook.planning.planner import plan_devices
+from gpuhook.planning.specedit import add_devices
+from gpuhook.request.parse import parse_request
+
+
+def edited_spec(raw: Mapping[str, Any], spec: BundleSpec, config: Config) -> Mapping[str, Any]:
+    """*raw* with the requested GPUs' devices and rules added (unchanged when no GPU is asked for)."""
+    request = parse_request(
+        spec,
+        accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
+        accept_volume_mounts=config.accept_volume_mounts,
+    )
+    if request is None:
+        return raw
+    return add_devices(raw, plan_devices(request, HostDiscoverer(config).discover()).devices)
+
+
+def run_spec_edit(config_arg: str | None, debug: bool, bundle_arg: str, env: Mapping[str, str]) -> int:
+    """Edit ``<bundle>/config.json`` in place, atomically."""
+    config = load_settings(config_arg, debug, env)
+    bundle = Path(bundle_arg).absolute()
+    spec = read_spec(bundle)
+    path = bundle / "config.json"
+    raw = strictjson.loads_object(path.read_bytes(), what=str(path), limit=SPEC_LIMIT)
+    edited = edited_spec(raw, spec, config)
+    if edited is not raw:
+        fd, tmp = tempfile.mkstemp(dir=bundle, prefix=".config.json.")
+        with os.fdopen(fd, "w") as handle:
+            json.dump(edited, handle)
+        os.chmod(tmp, path.stat().st_mode & 0o7777)
+        os.replace(tmp, path)
+    return 0
+
+
+def run_precreate(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[str, str]) -> int:
+    """podman's precreate stage: the spec on stdin, the edited spec on stdout."""
+    config = load_settings(config_arg, debug, env)
+    data = read_bounded(stdin, limit=SPEC_LIMIT)
+    raw = strictjson.loads_object(data, what="the spec on stdin", limit=SPEC_LIMIT)
+    # precreate runs before the bundle exists; the rootfs is only used for placement, not here.
+    spec = parse_spec(data, Path("/"))
+    json.dump(edited_spec(raw, spec, config), sys.stdout)
+    return 0

@@ -1,0 +1,62 @@
+"""Spec-edit mode: the runtime creates and allows the GPU devices itself, on cgroup v1 and v2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from integration.fakehost import FakeHost
+
+from .conftest import MakeContainer
+from .test_cgroups import EXPECTED, PROBE
+
+
+def _spec_edit(host: FakeHost, bundle: object) -> None:
+    """Run `gpuhook spec-edit` on the bundle, as a runtime wrapper would."""
+    subprocess.run([sys.executable, "-I", "-m", "gpuhook", "--config", str(host.config_path), "spec-edit",
+                    "--bundle", str(bundle)], check=True, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("engine", ["runc", "runc-cgroup2"], ids=["cgroup-v1", "cgroup-v2"])
+def test_same_view_with_the_runtime_owning_the_devices(make_container: MakeContainer, host: FakeHost,
+                                                      engine: str) -> None:
+    """After spec-edit the container sees the same devices, and the hook adds no node or rule of its own."""
+    container = make_container(PROBE + "; dltest libcuda.so.1", {"NVIDIA_VISIBLE_DEVICES": "1,3"}, engine=engine)
+    _spec_edit(host, container.bundle)
+    spec = json.loads((container.bundle / "config.json").read_text())
+    assert {"path": "/dev/nvidia3", "type": "c", "major": 195, "minor": 3, "fileMode": 0o666, "uid": 0, "gid": 0} \
+        in spec["linux"]["devices"]
+    assert {"allow": True, "type": "c", "major": 195, "minor": 3, "access": "rw"} in spec["linux"]["resources"]["devices"]
+    result = container.run()
+    assert result.returncode == 0, result.stderr
+    assert EXPECTED | {"dlopen libcuda.so.1: OK"} <= {line.strip() for line in result.stdout.splitlines()}
+    last_plan = [json.loads(line) for line in (host.root / "gpuhook.log").read_text().splitlines()
+                 if '"plan_built"' in line][-1]
+    assert (last_plan["devices"], last_plan["cgroup_rules"]) == (0, 0)
+
+
+def test_spec_edit_is_idempotent_and_leaves_non_gpu_specs_alone(make_container: MakeContainer,
+                                                                  host: FakeHost) -> None:
+    """Running it twice adds nothing more; a spec that asks for no GPU is not rewritten."""
+    container = make_container("true", {"NVIDIA_VISIBLE_DEVICES": "0"})
+    _spec_edit(host, container.bundle)
+    once = (container.bundle / "config.json").read_text()
+    _spec_edit(host, container.bundle)
+    assert (container.bundle / "config.json").read_text() == once
+    plain = make_container("true", {})
+    before = (plain.bundle / "config.json").stat()
+    _spec_edit(host, plain.bundle)
+    after = (plain.bundle / "config.json").stat()
+    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
+
+
+def test_precreate_stage_edits_stdin_to_stdout(make_container: MakeContainer, host: FakeHost) -> None:
+    """podman's precreate contract: the spec on stdin, the edited spec on stdout."""
+    container = make_container("true", {"NVIDIA_VISIBLE_DEVICES": "2"})
+    out = subprocess.run([sys.executable, "-I", "-m", "gpuhook", "--config", str(host.config_path), "precreate"],
+                         input=(container.bundle / "config.json").read_bytes(), capture_output=True, check=True)
+    paths = [d["path"] for d in json.loads(out.stdout)["linux"]["devices"]]
+    assert "/dev/nvidia2" in paths and "/dev/nvidia0" not in paths
