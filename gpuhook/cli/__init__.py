@@ -6,20 +6,26 @@ nothing below the CLI prints, exits or reads ``os.environ``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from gpuhook import __version__
 from gpuhook.errors import GpuHookError
+
+if TYPE_CHECKING:
+    import argparse
 
 HOOK_STAGES = ("prestart", "createRuntime")
 NOOP_STAGES = ("poststart", "poststop")
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The argument parser (built on demand: cheap, and keeps imports lazy)."""
+    """The argument parser (built on demand, never for a plain hook call: see _hook_argv)."""
+    import argparse
+
     parser = argparse.ArgumentParser(prog="gpuhook", description="OCI hook that gives containers NVIDIA GPUs.")
     parser.add_argument(
         "--config", metavar="FILE", help="config file (default: $GPUHOOK_CONFIG, then /etc/gpuhook/config.yaml)"
@@ -36,14 +42,17 @@ def _parser() -> argparse.ArgumentParser:
     edit = commands.add_parser("spec-edit", help="write the requested GPU devices into <bundle>/config.json")
     edit.add_argument("--bundle", required=True, help="the OCI bundle directory (holding config.json)")
     commands.add_parser("precreate", help="podman's precreate stage: spec on stdin, edited spec on stdout")
+    commands.add_parser("doctor", help="check the driver, ldconfig and device-cgroup set-up; say how to fix")
     info = commands.add_parser("info", help="the host's driver and GPUs")
     info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument("--refresh", action="store_true", help="rebuild the inventory cache from NVML (and print)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one return per command
     """Run one command; returns the process exit status."""
-    args = _parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    args: Any = _hook_argv(words) or _parser().parse_args(words)
     try:
         if args.command in HOOK_STAGES:
             from gpuhook.cli.hook import run_hook
@@ -52,6 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one retur
         if args.command in NOOP_STAGES:
             sys.stdin.buffer.read()  # drain: a runtime may block writing the state
             return 0
+        if args.command == "doctor":
+            from gpuhook.cli.doctor import run_doctor
+
+            return run_doctor(args.config, args.debug, os.environ)
         if args.command in ("spec-edit", "precreate"):
             from gpuhook.cli import specedit
 
@@ -62,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one retur
 
         if args.command == "plan":
             return inspect.run_plan(args.config, args.debug, args.bundle, os.environ)
-        return inspect.run_info(args.config, args.debug, os.environ, as_json=args.json)
+        return inspect.run_info(args.config, args.debug, os.environ, as_json=args.json, refresh=args.refresh)
     except GpuHookError as err:
         _report_failure(err)
         return 1
@@ -70,6 +83,33 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one retur
         # `gpuhook plan | head`: the reader left; exit quietly instead of a traceback at shutdown.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _hook_argv(words: Sequence[str]) -> SimpleNamespace | None:
+    """``[--config FILE] [--debug] STAGE`` for a hook or no-op stage, decoded by hand; else None.
+
+    Runtimes run the hook for every container (with a hooks.d ``always`` rule, for
+    containers without GPUs too), and importing argparse and building the parser costs
+    about as much as the whole no-GPU path. The argv shapes runtimes send are decoded
+    here; anything else (help, version, abbreviations, mistakes, other commands) returns
+    None and goes through argparse, which owns usage messages and exit status 2.
+    """
+    config: str | None = None
+    debug = False
+    rest = list(words)
+    while len(rest) > 1:
+        word = rest.pop(0)
+        if word == "--debug":
+            debug = True
+        elif word == "--config" and not rest[0].startswith("-") and len(rest) > 1:
+            config = rest.pop(0)
+        elif word.startswith("--config="):
+            config = word.removeprefix("--config=")
+        else:
+            return None
+    if len(rest) != 1 or rest[0] not in HOOK_STAGES + NOOP_STAGES:
+        return None
+    return SimpleNamespace(command=rest[0], config=config, debug=debug)
 
 
 def _report_failure(err: GpuHookError) -> None:

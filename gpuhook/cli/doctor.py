@@ -1,0 +1,57 @@
+"""``gpuhook doctor``: gather the host's facts and print the checks (decisions in ``gpuhook.doctor``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from gpuhook.apply.ldconfig import open_ldconfig
+from gpuhook.cli.common import load_settings
+from gpuhook.config import Config
+from gpuhook.discovery.host import HostDiscoverer
+from gpuhook.doctor import Check, Verdict, cgroup_checks, cgroup_driver, cgroup_mode
+from gpuhook.errors import GpuHookError
+
+
+def _read(path: str) -> str | None:
+    """A small host file, or None."""
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def _driver_check(config: Config) -> Check:
+    """Can the driver be inventoried through the configured roots?"""
+    try:
+        inventory = HostDiscoverer(config).discover()
+    except GpuHookError as err:
+        return Check(name="driver", verdict=Verdict.FAIL, message=str(err),
+                     fix="install or load the NVIDIA driver, or point driver_root/dev_root/proc_root at it")
+    return Check(name="driver", verdict=Verdict.OK, message=(
+        f"NVIDIA {inventory.driver_version} (CUDA {inventory.cuda_version}), {len(inventory.gpus)} GPU(s), "
+        f"{len(inventory.libraries)} libraries under {config.driver_root}"))
+
+
+def _ldconfig_check(config: Config) -> Check:
+    """Is the configured ldconfig a usable static host binary?"""
+    try:
+        os.close(open_ldconfig(config.ldconfig))
+    except GpuHookError as err:
+        return Check(name="ldconfig", verdict=Verdict.FAIL, message=str(err),
+                     fix="set `ldconfig:` to a static ldconfig")
+    return Check(name="ldconfig", verdict=Verdict.OK, message=f"{config.ldconfig} is static")
+
+
+def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> int:
+    """Print every check; exit status 1 if any failed."""
+    config = load_settings(config_arg, debug, env)
+    mode = cgroup_mode(_read("/proc/self/mountinfo") or "")
+    driver = cgroup_driver(pid1=(_read("/proc/1/comm") or "").strip(), mode=mode,
+                           docker_daemon_json=_read("/etc/docker/daemon.json"),
+                           containerd_toml=_read("/etc/containerd/config.toml"))
+    checks = (_driver_check(config), _ldconfig_check(config), *cgroup_checks(mode, driver))
+    sys.stdout.write("".join(check.render() + "\n" for check in checks))
+    return 1 if any(check.verdict is Verdict.FAIL for check in checks) else 0

@@ -1,0 +1,93 @@
+"""``gpuhook doctor``: checks with a verdict and, for every problem, the fix (pure decisions).
+
+The facts are gathered by ``cli/doctor.py``; this module only decides, so
+every verdict is unit-tested without a GPU or systemd.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass
+
+
+class Verdict(enum.StrEnum):
+    """How a check came out."""
+
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "FAIL"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Check:
+    """One line of the report."""
+
+    name: str
+    verdict: Verdict
+    message: str
+    fix: str = ""
+
+    def render(self) -> str:
+        """``[ ok ] name: message`` plus the fix on problems."""
+        line = f"[{self.verdict.value:^4}] {self.name}: {self.message}"
+        return f"{line}\n       fix: {self.fix}" if self.fix else line
+
+
+def cgroup_mode(mountinfo: str) -> str:
+    """'v2' (unified), 'hybrid' (v1 controllers plus a cgroup2 mount) or 'v1', from the hook's mountinfo."""
+    kinds: dict[str, str] = {}
+    for line in mountinfo.splitlines():
+        head, _, tail = line.partition(" - ")
+        fields, tail_fields = head.split(), tail.split()
+        if len(fields) >= 5 and tail_fields:
+            kinds[fields[4]] = tail_fields[0]
+    if kinds.get("/sys/fs/cgroup") == "cgroup2":
+        return "v2"
+    has_v1 = any(kind == "cgroup" for kind in kinds.values())
+    has_v2 = any(kind == "cgroup2" for kind in kinds.values())
+    return "hybrid" if has_v1 and has_v2 else "v1"
+
+
+def cgroup_driver(*, pid1: str, mode: str, docker_daemon_json: str | None, containerd_toml: str | None) -> str:
+    """'systemd' or 'cgroupfs': what the engines on this host most likely use.
+
+    Without systemd as PID 1 nothing can use the systemd driver. With it, docker
+    and containerd pick systemd when configured to, and docker defaults to it on
+    cgroup v2.
+    """
+    if pid1 != "systemd":
+        return "cgroupfs"
+    if docker_daemon_json:
+        try:
+            opts = json.loads(docker_daemon_json).get("exec-opts", [])
+        except (ValueError, AttributeError):
+            opts = []
+        if "native.cgroupdriver=systemd" in opts:
+            return "systemd"
+    if containerd_toml and re.search(r"(?m)^\s*SystemdCgroup\s*=\s*true", containerd_toml):
+        return "systemd"
+    return "systemd" if mode == "v2" else "cgroupfs"
+
+
+def cgroup_checks(mode: str, driver: str) -> tuple[Check, ...]:
+    """The cgroup version, the driver, and the daemon-reload exposure with its fix."""
+    version = Check(name="cgroup", verdict=Verdict.OK, message={
+        "v2": "cgroup v2 (unified): device access is an eBPF program; gpuhook extends the runtime's",
+        "hybrid": "cgroup v1 with a cgroup2 mount (hybrid): device access is v1 devices.allow",
+        "v1": "cgroup v1: device access is devices.allow",
+    }[mode])
+    if driver == "systemd":
+        exposure = Check(
+            name="daemon-reload", verdict=Verdict.WARN,
+            message="the systemd cgroup driver re-applies each unit's DeviceAllow= on `systemctl daemon-reload`, "
+            "dropping device rules a hook added: running GPU containers then fail with "
+            "\"Failed to initialize NVML: Unknown Error\"",
+            fix="let the runtime own the GPU devices: register `gpuhook precreate` (podman hooks.d stage precreate) "
+            "or run `gpuhook spec-edit --bundle` from a runtime wrapper, or use CDI devices",
+        )
+    else:
+        exposure = Check(name="daemon-reload", verdict=Verdict.OK,
+                         message="cgroupfs driver: systemd never re-applies the containers' device rules")
+    return (version, Check(name="cgroup driver", verdict=Verdict.OK, message=driver), exposure)

@@ -1,0 +1,61 @@
+"""gpuhook doctor's decisions: cgroup mode, cgroup driver, daemon-reload exposure."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuhook.doctor import Verdict, cgroup_checks, cgroup_driver, cgroup_mode
+from integration.fakehost import FakeHost
+
+HYBRID = ("30 25 0:26 / /sys/fs/cgroup/devices rw - cgroup cgroup rw,devices\n"
+          "40 25 0:36 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
+UNIFIED = "30 25 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+
+
+def test_cgroup_modes() -> None:
+    """Unified, hybrid and plain v1 hosts are told apart from mountinfo."""
+    assert cgroup_mode(UNIFIED) == "v2"
+    assert cgroup_mode(HYBRID) == "hybrid"
+    assert cgroup_mode(HYBRID.splitlines()[0]) == "v1"
+
+
+@pytest.mark.parametrize(
+    ("pid1", "mode", "daemon_json", "containerd", "expected"),
+    [
+        pytest.param("process_api", "v2", None, None, "cgroupfs", id="no-systemd"),
+        pytest.param("systemd", "v2", None, None, "systemd", id="docker-default-on-v2"),
+        pytest.param("systemd", "v1", None, None, "cgroupfs", id="v1-default"),
+        pytest.param("systemd", "v1", '{"exec-opts": ["native.cgroupdriver=systemd"]}', None, "systemd", id="docker"),
+        pytest.param("systemd", "v1", None, "  SystemdCgroup = true\n", "systemd", id="containerd"),
+        pytest.param("systemd", "v1", "not json", None, "cgroupfs", id="broken-daemon-json"),
+    ],
+)
+def test_cgroup_driver(pid1: str, mode: str, daemon_json: str | None, containerd: str | None, expected: str) -> None:
+    """The driver the engines most likely use."""
+    assert cgroup_driver(pid1=pid1, mode=mode, docker_daemon_json=daemon_json, containerd_toml=containerd) == expected
+
+
+def test_systemd_driver_is_exposed_with_the_fix() -> None:
+    """The daemon-reload problem is a warning naming the symptom and the spec-edit fix."""
+    exposure = cgroup_checks("v2", "systemd")[-1]
+    assert exposure.verdict is Verdict.WARN
+    assert "Failed to initialize NVML: Unknown Error" in exposure.message and "gpuhook precreate" in exposure.fix
+    assert cgroup_checks("hybrid", "cgroupfs")[-1].verdict is Verdict.OK
+
+
+def test_doctor_on_the_simulated_host(host: FakeHost, tmp_path: Path) -> None:
+    """The real command: driver found, static ldconfig, this machine's hybrid cgroups, exit 0."""
+    out = subprocess.run([sys.executable, "-I", "-m", "gpuhook", "--config", str(host.config_path), "doctor"],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"[ ok ] driver: NVIDIA {host.driver_version} (CUDA {host.cuda_version}), 4 GPU(s)" in out.stdout
+    assert "[ ok ] cgroup driver: cgroupfs" in out.stdout
+    empty = tmp_path / "no-driver.yaml"
+    empty.write_text(f"driver_root: {tmp_path}\ndev_root: {tmp_path}\nproc_root: {tmp_path}\nlog_file: null\n")
+    broken = subprocess.run([sys.executable, "-I", "-m", "gpuhook", "--config", str(empty), "doctor"],
+                            capture_output=True, text=True, check=False)
+    assert broken.returncode == 1 and "[FAIL] driver:" in broken.stdout and "fix: " in broken.stdout
