@@ -49,12 +49,17 @@ def run_spec_edit(config_arg: str | None, debug: bool, bundle_arg: str, env: Map
     raw = strictjson.loads_object(path.read_bytes(), what=str(path), limit=SPEC_LIMIT)
     edited = edited_spec(raw, spec, config)
     if edited is not raw:
-        fd, tmp = tempfile.mkstemp(dir=bundle, prefix=".config.json.")
-        with os.fdopen(fd, "w") as handle:
-            json.dump(edited, handle)
-        os.chmod(tmp, path.stat().st_mode & 0o7777)
-        os.replace(tmp, path)
+        write_spec(path, edited)
     return 0
+
+
+def write_spec(path: Path, spec: Mapping[str, Any]) -> None:
+    """Replace *path* atomically (same directory, same mode): a runtime never reads half a spec."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".config.json.")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(spec, handle)
+    os.chmod(tmp, path.stat().st_mode & 0o7777)
+    os.replace(tmp, path)
 
 
 def run_precreate(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[str, str]) -> int:

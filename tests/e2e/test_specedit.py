@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
 import pytest
 
+from integration.engines import unique_id
 from integration.fakehost import FakeHost
 
 from .conftest import MakeContainer
@@ -60,3 +62,16 @@ def test_precreate_stage_edits_stdin_to_stdout(make_container: MakeContainer, ho
                          input=(container.bundle / "config.json").read_bytes(), capture_output=True, check=True)
     paths = [d["path"] for d in json.loads(out.stdout)["linux"]["devices"]]
     assert "/dev/nvidia2" in paths and "/dev/nvidia0" not in paths
+
+
+def test_runtime_wrapper_edits_then_runs_runc(make_container: MakeContainer, host: FakeHost) -> None:
+    """`gpuhook-runtime run` (docker --runtime gpuhook): no hook registered, yet the container gets its GPU."""
+    container = make_container(PROBE + "; dltest libcuda.so.1", {"NVIDIA_VISIBLE_DEVICES": "1,3"}, hooks=[])
+    wrapper = Path(sys.executable).with_name("gpuhook-runtime")
+    run = subprocess.run([str(wrapper), "run", "--bundle", str(container.bundle), unique_id("wrapper")],
+                         capture_output=True, text=True, timeout=60, check=False,
+                         env={"PATH": "/usr/bin:/bin", "GPUHOOK_CONFIG": str(host.config_path)})
+    assert run.returncode == 0, run.stderr
+    assert EXPECTED | {"dlopen libcuda.so.1: OK"} <= {line.strip() for line in run.stdout.splitlines()}
+    hooks = json.loads((container.bundle / "config.json").read_text())["hooks"]["prestart"]
+    assert [h["args"][-1] for h in hooks] == ["prestart"]

@@ -1,0 +1,88 @@
+"""``gpuhook-runtime``: a runc/crun wrapper that edits the spec on ``create``/``run``, then execs the runtime.
+
+For ``docker run --runtime gpuhook`` (daemon.json ``runtimes``) and any engine
+that takes a runtime path. On ``create`` or ``run`` it writes the requested
+GPU devices and their rules into ``<bundle>/config.json`` (so the runtime owns
+them: see ``planning/specedit.py``) and adds gpuhook's prestart hook for the
+mounts and ld.so.cache; every other command passes straight through. The
+config comes from ``$GPUHOOK_CONFIG`` or ``/etc/gpuhook/config.yaml``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from gpuhook.errors import GpuHookError
+
+#: Trusted locations only: the wrapper runs as root and must not pick a runtime from a daemon's PATH.
+RUNTIME_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+HOOK_ENV: Final = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
+
+
+def bundle_of(argv: Sequence[str]) -> Path | None:
+    """The bundle of a ``create``/``run`` invocation (``--bundle``/``-b``, default cwd); None otherwise."""
+    command = next((a for a in argv if a in ("create", "run")), None)
+    if command is None:
+        return None
+    rest = list(argv[argv.index(command) + 1:])
+    for i, arg in enumerate(rest):
+        if arg in ("--bundle", "-b") and i + 1 < len(rest):
+            return Path(rest[i + 1])
+        if arg.startswith("--bundle="):
+            return Path(arg.partition("=")[2])
+    return Path.cwd()
+
+
+def hook_entry(config: str | None) -> dict[str, Any]:
+    """gpuhook's prestart hook as this interpreter runs it (absolute path, isolated, explicit env)."""
+    args = [sys.executable, "-I", "-m", "gpuhook", *(["--config", config] if config else []), "prestart"]
+    return {"path": sys.executable, "args": args, "env": HOOK_ENV}
+
+
+def add_hook(spec: dict[str, Any], hook: dict[str, Any]) -> dict[str, Any]:
+    """*spec* with *hook* first among the prestart hooks (once)."""
+    prestart = spec.setdefault("hooks", {}).setdefault("prestart", [])
+    if hook not in prestart:
+        prestart.insert(0, hook)
+    return spec
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Edit the bundle when a container is created, then exec the real runtime."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    runtime = shutil.which("runc", path=RUNTIME_PATH) or shutil.which("crun", path=RUNTIME_PATH)
+    if runtime is None:
+        print(f"gpuhook-runtime: neither runc nor crun found in {RUNTIME_PATH}", file=sys.stderr)
+        return 1
+    bundle = bundle_of(args)
+    if bundle is not None:
+        try:
+            _edit(bundle.absolute(), os.environ.get("GPUHOOK_CONFIG"))
+        except GpuHookError as err:
+            print(f"gpuhook: {err}", file=sys.stderr)
+            return 1
+    os.execv(runtime, [runtime, *args])
+
+
+def _edit(bundle: Path, config: str | None) -> None:
+    """Put the devices and the hook into ``<bundle>/config.json`` if the container asks for a GPU."""
+    from gpuhook.cli.common import load_settings, read_spec
+    from gpuhook.cli.specedit import edited_spec, write_spec
+    from gpuhook.oci import strictjson
+    from gpuhook.oci.spec import SPEC_LIMIT
+    from gpuhook.request.parse import may_request_gpus
+
+    spec = read_spec(bundle)
+    if not may_request_gpus(spec):
+        return
+    settings = load_settings(config, False, os.environ)
+    path = bundle / "config.json"
+    raw = strictjson.loads_object(path.read_bytes(), what=str(path), limit=SPEC_LIMIT)
+    edited = edited_spec(raw, spec, settings)
+    if edited is not raw:
+        write_spec(path, add_hook(dict(edited), hook_entry(config)))
