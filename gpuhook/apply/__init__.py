@@ -73,6 +73,9 @@ def _open_container(pid: int) -> int:
     try:
         pidfd = os.pidfd_open(pid)
         theirs = os.stat(f"/proc/{pid}/ns/mnt").st_ino
+        # The pidfd pins the process we opened; if it died before /proc was read, the pid may now be
+        # someone else's, and signalling the pidfd says ESRCH.
+        signal.pidfd_send_signal(pidfd, 0)
     except OSError as err:
         raise ApplyError("open container process", f"pid {pid}", errno_=err.errno) from err
     if theirs == os.stat("/proc/self/ns/mnt").st_ino:
