@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpuhook import linux
 from gpuhook.apply import cgroups
+from gpuhook.apply.children import wait_child
 from gpuhook.apply.ldconfig import open_ldconfig, run_ldconfig
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.errors import ApplyError
@@ -95,7 +94,10 @@ def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, 
         os.close(read_fd)
         os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, write_fd))
     os.close(write_fd)
-    raw = _read_report(child, read_fd, timeout)
+    result = wait_child(child, read_fd, timeout)
+    if result.timed_out:
+        raise ApplyError("apply", str(container.rootfs), detail=f"timed out after {timeout:g} s")
+    raw = result.output
     rootfs = container.rootfs
     try:
         report = json.loads(raw) if raw else {"error": {"step": "apply", "path": str(rootfs), "detail": "no report"}}
@@ -106,36 +108,13 @@ def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, 
     return ApplyReport(skipped=tuple(report["skipped"]))
 
 
-def _read_report(child: int, read_fd: int, timeout: float) -> bytes:
-    """Everything the child wrote, waiting at most *timeout* seconds."""
-    chunks = []
-    deadline = time.monotonic() + timeout
-    timed_out = False
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read_fd], [], [], left)[0]:
-                timed_out = True
-                os.kill(child, signal.SIGKILL)
-                break
-            chunk = os.read(read_fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(read_fd)
-        os.waitpid(child, 0)
-    if timed_out:
-        raise ApplyError("apply", "container", detail=f"timed out after {timeout:g} s")
-    return b"".join(chunks)
-
-
 def _child_main(
     plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, out_fd: int
 ) -> int:
     """Body of the forked child; returns its exit status after writing the JSON report."""
     try:
         linux.prctl(linux.PR_SET_DUMPABLE, 0)  # no ptrace or /proc/<pid>/mem access from the container
+        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # a hook killed by the runtime takes us along
         skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout)
         report: dict[str, object] = {"skipped": skipped}
         status = 0
@@ -173,7 +152,8 @@ def _apply_in_container(
         if plan.proc_driver is not None and not _mask_proc_driver(fs, plan.proc_driver, gpu_trees):
             skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
         if plan.ldconfig is not None and ldconfig_fd is not None:
-            run_ldconfig(ldconfig_fd, fs.root_fd, plan.ldconfig.dirs, timeout=timeout)
+            # Half the budget: a hung ldconfig must fail inside this child, so rollback still runs.
+            run_ldconfig(ldconfig_fd, fs.root_fd, plan.ldconfig.dirs, timeout=timeout / 2)
     except BaseException as err:
         leftovers = fs.rollback()
         if leftovers and isinstance(err, ApplyError):

@@ -26,15 +26,14 @@ from __future__ import annotations
 import fcntl
 import os
 import resource
-import select
 import signal
 import struct
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
 from gpuhook import linux
+from gpuhook.apply.children import wait_child
 from gpuhook.errors import ApplyError
 
 _PT_INTERP: Final = 3
@@ -121,7 +120,8 @@ def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, timeout
         finally:
             os._exit(127)
     os.close(write_fd)
-    output, status = _wait(pid, read_fd, timeout)
+    result = wait_child(pid, read_fd, timeout)
+    output, status = result.output.decode("utf-8", "replace"), result.status
     if status != 0:
         why = f"exited with status {status}" if status >= 0 else f"killed by signal {-status}"
         raise ApplyError("ldconfig", " ".join(dirs), detail=f"{why}: {output.strip()[-500:]}")
@@ -129,6 +129,7 @@ def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, timeout
 
 def _sandbox(root_fd: int) -> None:
     """Private namespaces, hidden /proc /sys /dev, chroot, limits, no privileges to gain (in the child)."""
+    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the step that waits for us
     # unshare moves our cwd (not our fds) into the new namespace's copy of the tree, so stand in
     # the rootfs first and re-open it afterwards: mounts must target the new namespace.
     os.fchdir(root_fd)
@@ -148,24 +149,3 @@ def _sandbox(root_fd: int) -> None:
         resource.setrlimit(limit, (value, value))
     linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
     linux.drop_bounding_set(frozenset({_CAP_DAC_OVERRIDE}))
-
-
-def _wait(pid: int, read_fd: int, timeout: float) -> tuple[str, int]:
-    """Collect the child's output and exit status, killing it after *timeout*."""
-    chunks = []
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            ready = select.select([read_fd], [], [], max(left, 0))[0] if left > 0 else []
-            if not ready:
-                os.kill(pid, signal.SIGKILL)  # past the deadline: the run is refused below
-                break
-            chunk = os.read(read_fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(read_fd)
-    _, status = os.waitpid(pid, 0)
-    return b"".join(chunks).decode("utf-8", "replace"), os.waitstatus_to_exitcode(status)
