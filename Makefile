@@ -9,7 +9,7 @@ APT_PACKAGES := runc crun busybox-static gcc libc6-dev util-linux
 # The commands the packages above provide, to skip apt when all are there.
 APT_COMMANDS := runc crun busybox gcc setpriv
 
-.PHONY: test unit demo deps venv clean
+.PHONY: test unit demo bench deps venv clean
 
 test: deps venv
 	$(PY) -m pytest -q
@@ -19,6 +19,11 @@ unit: venv
 
 demo: deps venv
 	$(PY) -m integration.demo
+
+# Real `runc run`s on simulated 1/8/64-GPU hosts: prints a Markdown table and writes
+# .cache/bench/results.json (BENCH_ARGS="--runs 30" for more runs).
+bench: deps venv
+	$(PY) -m integration.bench $(BENCH_ARGS)
 
 deps:
 	@missing=""; for c in $(APT_COMMANDS); do command -v $$c >/dev/null || missing="$$missing $$c"; done; \

@@ -1,7 +1,10 @@
 """``gpuhook prestart`` / ``createRuntime``: the OCI hook itself.
 
 The no-GPU path is a budget: a container that asks for no GPU costs reading
-stdin and config.json, and nothing else (no YAML, no structlog, no NVML).
+stdin and config.json, and nothing else (no YAML, no structlog, no NVML). So
+this module imports only what that path needs; the GPU path imports the rest
+after the check. With a valid inventory cache the GPU path does not import
+pynvml either (see discovery.cache).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import BinaryIO
 
-from gpuhook.cli.common import read_spec
+from gpuhook.cli.bundle import read_spec
 from gpuhook.cli.hygiene import check_environment, read_bounded, settle_process
 from gpuhook.errors import SpecError
 from gpuhook.oci.state import STATE_LIMIT, parse_state
@@ -31,6 +34,7 @@ def run_hook(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[
 
     from gpuhook.apply import ContainerRef, apply_plan
     from gpuhook.cli.common import load_settings, make_target, rootfs_identity
+    from gpuhook.discovery.cache import CachedDiscoverer
     from gpuhook.discovery.host import HostDiscoverer
     from gpuhook.planning.planner import make_plan
     from gpuhook.request.parse import parse_request
@@ -53,9 +57,12 @@ def run_hook(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[
     log.info("request_parsed", source=request.source, devices=request.raw,
              capabilities=sorted(request.capabilities), requirements=[str(r) for r in request.requirements])
     step = time.monotonic()
-    inventory = HostDiscoverer(config).discover()
+    found = CachedDiscoverer(config=config, inner=HostDiscoverer(config)).lookup()
+    inventory = found.inventory
     log.info("host_discovered", driver=inventory.driver_version, gpus=len(inventory.gpus),
-             ms=_ms(step))
+             cache=found.outcome.value, ms=_ms(step))
+    if found.not_stored is not None:
+        log.warning("inventory_not_cached", reason=found.not_stored)
     plan = make_plan(request, inventory, make_target(spec, config))
     log.info("plan_built", gpus=list(plan.gpus), devices=len(plan.devices), mounts=len(plan.mounts),
              cgroup_rules=len(plan.cgroup_rules))

@@ -216,6 +216,8 @@ def gpuhook_config(root: Path) -> str:
     """The gpuhook config that points every root at the simulated host."""
     value = _yaml_scalar(str(root))
     log = _yaml_scalar(str(root / "gpuhook.log"))
+    # The host's own /run, so that tests and demos never touch the real /run/gpuhook.
+    cache = _yaml_scalar(str(root / "run" / "gpuhook"))
     return (
         f"# gpuhook config for the simulated GPU host in {value}\n"
         f"driver_root: {value}\n"
@@ -223,4 +225,5 @@ def gpuhook_config(root: Path) -> str:
         f"proc_root: {value}\n"
         f"log_file: {log}\n"
         "log_level: debug\n"
+        f"cache_dir: {cache}\n"
     )

@@ -276,7 +276,7 @@ def test_tools_firmware_and_socket(host: FakeHost) -> None:
 
 
 def test_gpuhook_config(host: FakeHost) -> None:
-    """gpuhook.yaml points all three roots at the host, and nothing else."""
+    """gpuhook.yaml points all three roots and the inventory cache at the host, and nothing else."""
     text = host.config_path.read_text()
     assert text.startswith(f"# gpuhook config for the simulated GPU host in {host.root}\n")
     assert yaml.safe_load(text) == {
@@ -285,6 +285,7 @@ def test_gpuhook_config(host: FakeHost) -> None:
         "proc_root": str(host.root),
         "log_file": str(host.root / "gpuhook.log"),
         "log_level": "debug",
+        "cache_dir": str(host.root / "run/gpuhook"),
     }
 
 

@@ -39,11 +39,20 @@ def test_values_are_converted() -> None:
     assert config.no_cgroups is True
 
 
+def test_cache_dir() -> None:
+    """The inventory cache defaults to /run/gpuhook, moves with a path and is disabled by null."""
+    assert Config().cache_dir == Path("/run/gpuhook")
+    assert parse_config("cache_dir: /var/cache/gpuhook\n").cache_dir == Path("/var/cache/gpuhook")
+    assert parse_config("cache_dir: null\n").cache_dir is None
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         pytest.param("driver_rot: /\n", "unknown setting.*driver_rot", id="typo"),
         pytest.param("driver_root: relative\n", "driver_root must be an absolute path", id="relative"),
+        pytest.param("cache_dir: run/gpuhook\n", "cache_dir must be an absolute path", id="relative-cache"),
+        pytest.param("cache_dir: false\n", "cache_dir must be an absolute path", id="bool-cache"),
         pytest.param("no_cgroups: 'yes'\n", "no_cgroups must be true or false", id="string-bool"),
         pytest.param("log_level: loud\n", "log_level must be one of", id="level"),
         pytest.param("timeout_seconds: 0\n", "timeout_seconds", id="timeout"),

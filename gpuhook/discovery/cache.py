@@ -1,0 +1,349 @@
+"""The host inventory cache: ask NVML once per driver identity, not once per container.
+
+NVML's init takes seconds per GPU on hosts without persistence mode, and every
+GPU container start needs the inventory. Nothing in it changes while the
+driver's identity is unchanged, so the hook keeps it in
+``<cache_dir>/inventory-<roots>.json`` and asks NVML only when the identity's
+fingerprint differs from the one stored with it.
+
+The identity is everything ``HostDiscoverer`` reads besides NVML's answers,
+read with stat calls and a few small reads (no NVML, about a millisecond):
+
+* gpuhook's version, the cache format and the configured roots;
+* ``/proc/driver/nvidia/version`` (the NVRM version: a driver reload),
+  ``params``, ``registry``, the ``gpus/`` listing and ``/proc/devices`` (majors);
+* the ``/dev/nvidia*`` names, types and device numbers (GPUs added, removed,
+  reset; ``nvidia-caps/`` one level down);
+* ``/proc/driver/nvidia/capabilities``, recursively: names and file contents
+  (the MIG layout: creating or destroying an instance changes it);
+* the driver root's ``etc/ld.so.cache`` (st_dev, st_ino, size, mtime_ns):
+  ldconfig rewrites it on every driver install; without one, the library
+  directories that are searched instead;
+* the binary and firmware directories and the daemons' IPC sockets (a
+  restarted nvidia-persistenced makes a new socket inode).
+
+The file is written to a temporary name in the same directory and renamed
+over the old one, so a reader sees a whole old or a whole new file; two
+hooks that race to rebuild write equal results and the last rename wins.
+Anything unusable (absent, corrupt, another format, another identity, not
+owned by root) is a miss, never an error: the hook then asks NVML as it
+would without a cache. The cache holds host paths that get bind-mounted into
+containers, so only a file and directory owned by root (or the caller) and
+writable by nobody else are trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import stat
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Final
+
+from gpuhook import __version__, catalog
+from gpuhook.config import Config
+from gpuhook.discovery import Discoverer
+from gpuhook.discovery.host import BINARY_DIRS, LIBRARY_DIRS, PROC_DRIVER_FILES
+from gpuhook.discovery.hostroot import HostRoot
+from gpuhook.inventory import Inventory
+
+#: Bumped when the document or Inventory.to_dict changes meaning; an older file is then a miss.
+CACHE_FORMAT: Final = 1
+#: An inventory of 64 GPUs and a full driver, with its key, is about 50 KiB; anything far larger is not ours.
+CACHE_LIMIT: Final = 4 << 20
+#: capabilities files hold three short lines; a cap bounds what a strange procfs could cost.
+_CAPABILITY_FILE_LIMIT: Final = 4096
+_FIRMWARE_DIR: Final = "lib/firmware/nvidia"
+
+#: (st_dev, st_ino, st_size, st_mtime_ns) of a file or directory.
+Stamp = tuple[int, int, int, int]
+
+
+class Outcome(enum.Enum):
+    """Where an inventory came from, and why not from the cache."""
+
+    HIT = "hit"  # a valid cache: no NVML
+    ABSENT = "absent"  # no cache file yet (first start, or after a reboot emptied /run)
+    STALE = "stale"  # written for another driver identity
+    CORRUPT = "corrupt"  # unreadable JSON, another format, or wrong types
+    UNTRUSTED = "untrusted"  # file or directory writable by others than root, or not readable
+    NO_IDENTITY = "no-identity"  # the driver's identity could not be read (the cache is bypassed)
+    REFRESH = "refresh"  # rebuilt on request (gpuhook info --refresh)
+    DISABLED = "disabled"  # cache_dir is null
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DriverIdentity:
+    """What the inventory depends on besides NVML's answers (read without NVML)."""
+
+    gpuhook_version: str
+    roots: tuple[str, str, str]
+    proc_files: tuple[tuple[str, str | None], ...]
+    proc_gpus: tuple[str, ...]
+    dev_nodes: tuple[tuple[str, int, int], ...]
+    capabilities: tuple[tuple[str, str | None], ...]
+    ld_cache: Stamp | None
+    driver_dirs: tuple[tuple[str, Stamp | None], ...]
+    ipc: tuple[tuple[str, Stamp | None], ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheLookup:
+    """An inventory and how it was obtained."""
+
+    inventory: Inventory
+    outcome: Outcome
+    #: why a freshly built inventory was not written to the cache (None: written, or a hit)
+    not_stored: str | None = None
+
+
+# --- pure: fingerprint and (de)serialisation -------------------------------------------------
+
+
+def fingerprint(identity: DriverIdentity) -> str:
+    """The cache key: *identity* as canonical JSON (equal identities, equal keys).
+
+    The identity itself rather than a digest of it: a few KiB compared as a string
+    is exact and cheaper than importing hashlib on every container start, and the
+    file then shows what its inventory was built for.
+    """
+    return json.dumps([CACHE_FORMAT, asdict(identity)], sort_keys=True, separators=(",", ":"))
+
+
+def encode_cache(key: str, inventory: Inventory) -> bytes:
+    """The cache file's contents: the format, the identity's fingerprint and the inventory."""
+    document = {"format": CACHE_FORMAT, "key": key, "inventory": inventory.to_dict()}
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def decode_cache(data: bytes, key: str) -> Inventory | Outcome:
+    """The inventory stored for *key*, or why *data* cannot be used."""
+    try:
+        document = json.loads(data)
+    except (ValueError, RecursionError):
+        return Outcome.CORRUPT
+    if not isinstance(document, dict) or document.get("format") != CACHE_FORMAT:
+        return Outcome.CORRUPT
+    if document.get("key") != key:
+        return Outcome.STALE
+    try:
+        return Inventory.from_dict(document.get("inventory"))
+    except ValueError:
+        return Outcome.CORRUPT
+
+
+def cache_path(cache_dir: Path, config: Config) -> Path:
+    """The cache file for this configuration's roots (one per driver root, so they do not take turns).
+
+    Two root sets with the same CRC would share a file and rebuild it in turn (the
+    key holds the roots), never read each other's inventory.
+    """
+    roots = "\0".join(str(p) for p in (config.driver_root, config.dev_root, config.proc_root))
+    return cache_dir / f"inventory-{zlib.crc32(os.fsencode(roots)):08x}.json"
+
+
+# --- I/O edge: the identity, reading and writing the file ------------------------------------
+
+
+def read_identity(config: Config) -> DriverIdentity:
+    """Stat and read the driver's identity under the configured roots; raises OSError."""
+    driver, proc = HostRoot(config.driver_root), HostRoot(config.proc_root)
+    ld_cache = _stamp(driver, "etc/ld.so.cache")
+    # Without an ld.so.cache, libraries are found by listing these directories instead.
+    dirs = (*BINARY_DIRS, _FIRMWARE_DIR, *(f"{_FIRMWARE_DIR}/{v}" for v in driver.listdir(_FIRMWARE_DIR)),
+            *(LIBRARY_DIRS if ld_cache is None else ()))
+    return DriverIdentity(
+        gpuhook_version=__version__,
+        roots=(str(config.driver_root), str(config.dev_root), str(config.proc_root)),
+        proc_files=tuple((rel, _text(proc.read_bytes(rel))) for rel in _proc_files()),
+        proc_gpus=proc.listdir("proc/driver/nvidia/gpus"),
+        dev_nodes=_dev_nodes(config.dev_root / "dev"),
+        capabilities=_capabilities(proc),
+        ld_cache=ld_cache,
+        driver_dirs=tuple((rel, _stamp(driver, rel)) for rel in dirs),
+        ipc=tuple((rel, _stamp(driver, rel)) for rel in catalog.IPC_SOCKETS),
+    )
+
+
+def load_cache(path: Path) -> bytes | Outcome:
+    """The cache file's bytes, or why there are none to use."""
+    try:
+        dir_fd = _open_trusted_dir(path.parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return Outcome.ABSENT
+    except OSError:
+        return Outcome.UNTRUSTED
+    try:
+        # O_NOFOLLOW: a symlink is not our file; O_NONBLOCK: a FIFO cannot hang the start.
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return Outcome.ABSENT
+    except OSError:
+        return Outcome.UNTRUSTED
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "rb") as handle:
+        if not _is_trusted(os.fstat(fd), directory=False):
+            return Outcome.UNTRUSTED
+        data = handle.read(CACHE_LIMIT + 1)
+    return Outcome.CORRUPT if len(data) > CACHE_LIMIT else data
+
+
+def store_cache(path: Path, data: bytes) -> None:
+    """Atomically replace the cache file with *data*; raises OSError."""
+    _make_dir(path.parent)
+    dir_fd = _open_trusted_dir(path.parent)
+    # A private name in the same directory (so the rename is atomic), created with O_EXCL.
+    # Everything is relative to dir_fd, so the directory checked above is the one written;
+    # tempfile.mkstemp would re-resolve the path on each call.
+    temp = f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                     dir_fd=dir_fd)
+        try:
+            os.fchmod(fd, 0o644)  # exact, whatever the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        # No fsync: the default cache_dir is tmpfs, and a torn file after a crash on disk
+        # fails to decode or to match and is rebuilt, like any other miss.
+        os.replace(temp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):  # never created, or already renamed
+            os.unlink(temp, dir_fd=dir_fd)
+        raise
+    finally:
+        os.close(dir_fd)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CachedDiscoverer:
+    """A Discoverer that answers from the cache while the driver's identity is unchanged."""
+
+    config: Config
+    inner: Discoverer
+    #: ignore the cache file and rebuild it (``gpuhook info --refresh``)
+    refresh: bool = False
+
+    def discover(self) -> Inventory:
+        """The host's inventory, from the cache when it is valid; raises DiscoveryError."""
+        return self.lookup().inventory
+
+    def lookup(self) -> CacheLookup:
+        """The inventory with where it came from; a rebuilt one is stored for the next start."""
+        if self.config.cache_dir is None:
+            return CacheLookup(inventory=self.inner.discover(), outcome=Outcome.DISABLED)
+        path = cache_path(self.config.cache_dir, self.config)
+        try:
+            key = fingerprint(read_identity(self.config))
+        except OSError as err:
+            return CacheLookup(inventory=self.inner.discover(), outcome=Outcome.NO_IDENTITY,
+                               not_stored=f"cannot read the driver's identity: {err}")
+        outcome = Outcome.REFRESH
+        if not self.refresh:
+            data = load_cache(path)
+            found = decode_cache(data, key) if isinstance(data, bytes) else data
+            if isinstance(found, Inventory):
+                return CacheLookup(inventory=found, outcome=Outcome.HIT)
+            outcome = found
+        inventory = self.inner.discover()
+        # Read the identity again: if the driver changed while NVML answered, the inventory
+        # may belong to either identity, so it serves this start but is not stored.
+        if fingerprint(read_identity(self.config)) != key:
+            return CacheLookup(inventory=inventory, outcome=outcome,
+                               not_stored="the driver changed during discovery")
+        try:
+            store_cache(path, encode_cache(key, inventory))
+        except OSError as err:
+            return CacheLookup(inventory=inventory, outcome=outcome, not_stored=f"cannot write {path}: {err}")
+        return CacheLookup(inventory=inventory, outcome=outcome)
+
+
+def _proc_files() -> tuple[str, ...]:
+    """The small procfs files of the identity."""
+    return ("proc/devices", *(f"proc/driver/nvidia/{name}" for name in PROC_DRIVER_FILES))
+
+
+def _text(data: bytes | None) -> str | None:
+    """File contents as text for the fingerprint (None: absent)."""
+    return None if data is None else data.decode("utf-8", "surrogateescape")
+
+
+def _stamp(root: HostRoot, rel: str) -> Stamp | None:
+    """The identity of *rel* inside *root* (symlinks followed inside it), None if absent."""
+    found = root.resolve(rel)
+    if found is None:
+        return None
+    st = found[1]
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _dev_nodes(dev: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, file type, rdev) of every ``nvidia*`` entry in *dev*, one level into directories."""
+    out: list[tuple[str, int, int]] = []
+    pending = [(dev, "")]
+    while pending:
+        directory, prefix = pending.pop()
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            if not prefix and not entry.name.startswith("nvidia"):
+                continue
+            st = entry.stat(follow_symlinks=False)
+            out.append((prefix + entry.name, stat.S_IFMT(st.st_mode), st.st_rdev))
+            if not prefix and stat.S_ISDIR(st.st_mode):  # /dev/nvidia-caps/nvidia-cap<N>
+                pending.append((Path(entry.path), entry.name + "/"))
+    return tuple(sorted(out))
+
+
+def _capabilities(proc: HostRoot) -> tuple[tuple[str, str | None], ...]:
+    """Every entry under /proc/driver/nvidia/capabilities: files with their contents, dirs as None."""
+    found = proc.resolve("proc/driver/nvidia/capabilities")
+    if found is None or not stat.S_ISDIR(found[1].st_mode):
+        return ()
+    top = found[0]
+    out: list[tuple[str, str | None]] = []
+    for directory, dirs, files in os.walk(top):
+        rel = os.path.relpath(directory, top)
+        out += ((os.path.normpath(f"{rel}/{d}"), None) for d in dirs)
+        for name in files:
+            path = os.path.join(directory, name)
+            try:
+                with open(path, "rb") as handle:
+                    content = _text(handle.read(_CAPABILITY_FILE_LIMIT))
+            except OSError as err:  # some capability files are readable by root only
+                content = f"<{err.strerror}>"
+            out.append((os.path.normpath(f"{rel}/{name}"), content))
+    return tuple(sorted(out, key=lambda item: item[0]))
+
+
+def _make_dir(directory: Path) -> None:
+    """Create the cache directory 0755 if it is missing (its parent, /run, must exist)."""
+    try:
+        os.mkdir(directory, 0o755)
+    except FileExistsError:
+        return
+    os.chmod(directory, 0o755)  # exact, whatever the umask
+
+
+def _open_trusted_dir(directory: Path) -> int:
+    """An O_PATH fd of the cache directory; raises PermissionError unless only root (or we) can write it."""
+    fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    if not _is_trusted(os.fstat(fd), directory=True):
+        os.close(fd)
+        raise PermissionError(f"{directory} is writable by others than root; not used for the inventory cache")
+    return fd
+
+
+def _is_trusted(st: os.stat_result, *, directory: bool) -> bool:
+    """Owned by root or by us, the expected type, and writable by nobody else."""
+    kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    return kind_ok and st.st_uid in (0, os.geteuid()) and not st.st_mode & 0o022

@@ -1,0 +1,423 @@
+"""`make bench`: what gpuhook adds to a real ``runc run``, on simulated GPU hosts.
+
+``python -m integration.bench [--runs N] [--out FILE]`` (root: it makes device nodes and runs runc).
+
+Every scenario runs a busybox ``/bin/true`` container with ``runc run`` from a fresh copy of the
+rootfs (copied outside the timed region, as an engine's overlay gives each container a fresh
+upper layer). Scenarios are interleaved round-robin, after one untimed warm-up round that also
+builds each host's inventory cache, so drift on a noisy VM hits all of them alike. Wall time is
+``integration.engines.run_container``'s ``duration_s``: the whole ``runc run`` plus the rig's
+sub-millisecond leftover check.
+
+The hook runs from a regular (non-editable) install of this checkout, as ``pip install`` makes
+it in production: the dev venv's editable-install finder imports pathlib, urllib and importlib
+at every interpreter start, ~10 ms that no user pays. Its dependencies come from the running
+environment through a plain directory line in a ``.pth`` file, which costs nothing at start-up.
+
+Besides issue #4's scenarios there are two references: the interpreter floor (a hook that is
+``python -I -c pass``: what any Python hook costs before its first import) and the 8-GPU start
+with the cache off (NVML on every start; the mock answers in microseconds, a real NVML without
+persistence mode in seconds).
+
+The hook's own wall time and peak RSS come from separate, instrumented runs (not the timed
+ones, so the instrument cannot skew them): a small wrapper starts the hook with
+``posix_spawn`` and reads ``ru_maxrss`` from ``wait4``, which on Linux covers the hook and the
+apply child it forks and reaps. The hook's log gives its step timings (``ms`` of discovery and
+apply, ``total_ms`` from ``run_hook``'s start, so without interpreter start and CLI imports).
+NVML calls per start are the lines the mock NVML appends to the host's ``calls.log`` during
+each timed run. Finally ``-X importtime`` of the no-GPU path lists its most costly imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import venv
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from integration.engines import default_spec, require_tool, run_container, unique_id, write_bundle
+from integration.fakehost import FakeHost, create_host
+from integration.rootfs import build_rootfs, copy_rootfs
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / ".cache" / "bench" / "results.json"
+WORK = REPO / ".cache" / "bench" / "work"
+HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
+COMPUTE = "compute,utility"
+INSTRUMENTED_RUNS = 5
+IMPORTTIME_RUNS = 5
+
+# Started by the instrumented runs in place of the hook: spawn it, wait4 for its rusage, record.
+# Runs with -I -S: nothing but the interpreter itself.
+_WRAPPER = """\
+import json, os, sys, time
+record, argv = sys.argv[1], sys.argv[2:]
+start = time.perf_counter()
+pid = os.posix_spawn(argv[0], argv, os.environ)
+_, status, usage = os.wait4(pid, 0)
+wall_ms = (time.perf_counter() - start) * 1000
+with open(record, "a") as out:
+    out.write(json.dumps({"wall_ms": wall_ms, "maxrss_kib": usage.ru_maxrss}) + "\\n")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+class BenchError(RuntimeError):
+    """A benchmark container did not run as expected."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One kind of container start."""
+
+    name: str
+    title: str
+    host: FakeHost | None = None
+    env: tuple[str, ...] = ()
+    #: the hook's argv after the interpreter (None: no hook)
+    hook_args: tuple[str, ...] | None = None
+    #: devices and mounts written into config.json (the static floor)
+    static: dict[str, Any] | None = None
+    #: with a valid cache NVML must not be called
+    cached: bool = False
+
+
+@dataclass(slots=True)
+class Samples:
+    """What the runs of one scenario measured."""
+
+    wall_ms: list[float] = field(default_factory=list)
+    nvml_calls: list[int] = field(default_factory=list)
+    hook_ms: list[float] = field(default_factory=list)
+    maxrss_kib: list[int] = field(default_factory=list)
+    #: per timed run, the hook log's step timings (discovery, apply, total from run_hook's start)
+    log_ms: list[dict[str, float]] = field(default_factory=list)
+
+
+# --- set-up -------------------------------------------------------------------------------------
+
+
+def install_hook(dest: Path) -> Path:
+    """A venv with a regular install of this checkout's gpuhook; returns its python."""
+    venv.create(dest, with_pip=False, symlinks=True, clear=True)
+    site = next((dest / "lib").glob("python3*/site-packages"))
+    shutil.copytree(REPO / "gpuhook", site / "gpuhook", ignore=shutil.ignore_patterns("__pycache__"))
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (site / "gpuhook-deps.pth").write_text("".join(f"{p}\n" for p in deps))
+    compileall.compile_dir(site / "gpuhook", quiet=1)  # the hook runs as root and would write them anyway
+    return dest / "bin" / "python"
+
+
+def write_config(path: Path, host: FakeHost, *, cache: bool) -> Path:
+    """A production-like config for *host*: info-level log, cache in the host's /run (or none)."""
+    cache_dir = json.dumps(str(host.root / "run" / "gpuhook")) if cache else "null"
+    path.write_text(
+        f"driver_root: {json.dumps(str(host.root))}\n"
+        f"dev_root: {json.dumps(str(host.root))}\n"
+        f"proc_root: {json.dumps(str(host.root))}\n"
+        f"log_file: {json.dumps(str(host.root / 'gpuhook.log'))}\n"
+        "log_level: info\n"
+        f"cache_dir: {cache_dir}\n"
+    )
+    return path
+
+
+def static_floor(python: Path, config: Path, env: Sequence[str], rootfs_src: Path, work: Path) -> dict[str, Any]:
+    """The devices, cgroup rules and bind mounts of ``gpuhook plan`` as config.json entries."""
+    bundle = work / "plan-bundle"
+    shutil.rmtree(bundle, ignore_errors=True)
+    copy_rootfs(rootfs_src, bundle / "rootfs")
+    write_bundle(bundle, default_spec("rootfs", ["/bin/true"], list(env)))
+    out = subprocess.run([str(python), "-I", "-m", "gpuhook", "--config", str(config), "plan", "--bundle", str(bundle)],
+                         capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"})
+    shutil.rmtree(bundle)
+    plan = json.loads(out.stdout)["plan"]
+    return {
+        "devices": [{"path": d["path"], "type": "c", "major": d["major"], "minor": d["minor"],
+                     "fileMode": d["mode"], "uid": 0, "gid": 0} for d in plan["devices"]],
+        "rules": [{"allow": True, "type": "c", "major": d["major"], "minor": d["minor"], "access": "rw"}
+                  for d in plan["devices"]],
+        "mounts": [{"destination": m["target"], "type": "bind", "source": m["source"],
+                    "options": ["bind", "ro", "nosuid", "nodev", *(["noexec"] if m["noexec"] else [])]}
+                   for m in plan["mounts"]],
+    }
+
+
+def make_spec(scenario: Scenario, python: Path, wrapper: tuple[str, ...] = ()) -> dict[str, Any]:
+    """config.json for one run of *scenario* (*wrapper*: argv that starts the hook instrumented)."""
+    hooks = None
+    if scenario.hook_args is not None:
+        args = [*wrapper, str(python), *scenario.hook_args]
+        hooks = {"prestart": [{"path": args[0], "args": args, "env": HOOK_ENV}]}
+    spec = default_spec("rootfs", ["/bin/true"], list(scenario.env), hooks=hooks, annotations={})
+    if scenario.static is not None:
+        spec["linux"]["devices"] = scenario.static["devices"]
+        spec["linux"]["resources"]["devices"] += scenario.static["rules"]
+        spec["mounts"] += scenario.static["mounts"]
+    return spec
+
+
+def make_scenarios(python: Path, rootfs_src: Path, work: Path) -> list[Scenario]:
+    """Hosts with 1, 8 and 64 GPUs (built once) and every scenario on them."""
+    hosts = {n: create_host(work / f"host{n}", gpus=n) for n in (1, 8, 64)}
+    configs = work / "configs"
+    configs.mkdir()
+    cfg = {n: write_config(configs / f"host{n}.yaml", h, cache=True) for n, h in hosts.items()}
+    no_cache = write_config(configs / "host8-nocache.yaml", hosts[8], cache=False)
+
+    def hook(config: Path) -> tuple[str, ...]:
+        return ("-I", "-m", "gpuhook", "--config", str(config), "prestart")
+
+    def gpus(caps: str) -> tuple[str, ...]:
+        return ("NVIDIA_VISIBLE_DEVICES=all", f"NVIDIA_DRIVER_CAPABILITIES={caps}")
+
+    return [
+        Scenario("bare", "bare runc (no hook)"),
+        Scenario("python-floor", "hook = `python -I -c pass` (interpreter floor)", hook_args=("-I", "-c", "pass")),
+        Scenario("no-gpu", "hook, container asks for no GPU", hosts[8], hook_args=hook(cfg[8])),
+        Scenario("gpu1", "hook, 1 GPU, compute,utility", hosts[1], gpus(COMPUTE), hook(cfg[1]), cached=True),
+        Scenario("gpu8", "hook, 8 GPUs, compute,utility", hosts[8], gpus(COMPUTE), hook(cfg[8]), cached=True),
+        Scenario("gpu64", "hook, 64 GPUs, compute,utility", hosts[64], gpus(COMPUTE), hook(cfg[64]), cached=True),
+        Scenario("gpu8-all", "hook, 8 GPUs, all capabilities", hosts[8], gpus("all"), hook(cfg[8]), cached=True),
+        Scenario("gpu8-nocache", "hook, 8 GPUs, compute,utility, cache off (NVML every start)", hosts[8],
+                 gpus(COMPUTE), hook(no_cache)),
+        Scenario("static8", "static floor: 8 GPUs' devices + mounts in config.json, no hook", hosts[8],
+                 static=static_floor(python, cfg[8], gpus(COMPUTE), rootfs_src, work)),
+    ]
+
+
+# --- running --------------------------------------------------------------------------------------
+
+
+def run_once(scenario: Scenario, spec: dict[str, Any], rootfs_src: Path, bundle: Path,
+             ) -> tuple[float, int, dict[str, float]]:
+    """One ``runc run``: its wall time in ms, the NVML calls it caused and the hook's logged timings."""
+    copy_rootfs(rootfs_src, bundle / "rootfs")
+    write_bundle(bundle, spec)
+    host = scenario.host
+    log = host.root / "gpuhook.log" if host else None
+    calls_before = len(host.nvml_calls()) if host else 0
+    log_before = log.stat().st_size if log and log.exists() else 0
+    try:
+        result = run_container("runc", bundle, unique_id("bench"))
+    finally:
+        shutil.rmtree(bundle, ignore_errors=True)
+    if result.returncode != 0:
+        raise BenchError(f"{scenario.name}: runc run failed ({result.returncode}): {result.stderr.strip()}")
+    calls = sum(count for _, count in host.nvml_calls()[calls_before:]) if host else 0
+    return result.duration_s * 1000, calls, _logged_timings(log, log_before)
+
+
+def _logged_timings(log: Path | None, offset: int) -> dict[str, float]:
+    """discovery_ms, apply_ms and total_ms from the events the hook logged past *offset*."""
+    if log is None or not log.exists():
+        return {}
+    with log.open("rb") as handle:
+        handle.seek(offset)
+        events = [json.loads(line) for line in handle.read().splitlines() if line.strip()]
+    out = {}
+    for event in events:
+        if event.get("event") == "host_discovered":
+            out["discovery_ms"] = event["ms"]
+        elif event.get("event") == "applied":
+            out["apply_ms"], out["total_ms"] = event["ms"], event["total_ms"]
+    return out
+
+
+def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work: Path, runs: int,
+            ) -> dict[str, Samples]:
+    """Warm-up round, *runs* interleaved timed rounds, then the instrumented hook runs."""
+    samples = {s.name: Samples() for s in scenarios}
+    specs = {s.name: make_spec(s, python) for s in scenarios}
+    bundle = work / "bundle"
+    for round_no in range(runs + 1):
+        # Round-robin, starting one scenario later each round, so none always follows the same one.
+        for k in range(len(scenarios)):
+            scenario = scenarios[(round_no + k) % len(scenarios)]
+            wall, calls, logged = run_once(scenario, specs[scenario.name], rootfs_src, bundle)
+            if round_no > 0:  # round 0 warms the page cache, the .pyc files and the inventory caches
+                samples[scenario.name].wall_ms.append(wall)
+                samples[scenario.name].nvml_calls.append(calls)
+                if logged:
+                    samples[scenario.name].log_ms.append(logged)
+        print(f"  round {round_no}/{runs} done", file=sys.stderr, flush=True)
+    wrapper_py = work / "hookstat.py"
+    wrapper_py.write_text(_WRAPPER)
+    for scenario in scenarios:
+        if scenario.hook_args is None:
+            continue
+        record = work / f"hookstat-{scenario.name}.jsonl"
+        wrapper = (str(python), "-I", "-S", str(wrapper_py), str(record))
+        for _ in range(INSTRUMENTED_RUNS):
+            run_once(scenario, make_spec(scenario, python, wrapper), rootfs_src, bundle)
+        for line in record.read_text().splitlines():
+            stat = json.loads(line)
+            samples[scenario.name].hook_ms.append(stat["wall_ms"])
+            samples[scenario.name].maxrss_kib.append(stat["maxrss_kib"])
+    return samples
+
+
+# --- reporting ------------------------------------------------------------------------------------
+
+
+def p90(values: Sequence[float]) -> float:
+    """The 90th percentile, nearest-rank."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+def summarise(scenarios: Sequence[Scenario], samples: dict[str, Samples]) -> dict[str, dict[str, Any]]:
+    """Medians, p90s and ratios per scenario."""
+    bare = statistics.median(samples["bare"].wall_ms)
+    out = {}
+    for scenario in scenarios:
+        got = samples[scenario.name]
+        median = statistics.median(got.wall_ms)
+        logged = {key: round(statistics.median(t[key] for t in got.log_ms), 1)
+                  for key in ("discovery_ms", "apply_ms", "total_ms") if got.log_ms}
+        out[scenario.name] = {
+            "title": scenario.title,
+            "runs": len(got.wall_ms),
+            "median_ms": round(median, 2),
+            "p90_ms": round(p90(got.wall_ms), 2),
+            "ratio_vs_bare": round(median / bare, 3),
+            "hook_ms_median": round(statistics.median(got.hook_ms), 2) if got.hook_ms else None,
+            "hook_peak_rss_mib": round(max(got.maxrss_kib) / 1024, 1) if got.maxrss_kib else None,
+            "nvml_calls_per_start": statistics.mean(got.nvml_calls) if scenario.host else None,
+            "hook_log_ms_median": logged or None,
+            "wall_ms": [round(v, 2) for v in got.wall_ms],
+        }
+    return out
+
+
+def check_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue #4's targets, each with the measured value and whether it is met."""
+    rss = max(r["hook_peak_rss_mib"] for r in results.values() if r["hook_peak_rss_mib"] is not None
+              and r is not results["python-floor"])
+    cached_calls = max(results[n]["nvml_calls_per_start"] for n in ("gpu1", "gpu8", "gpu64", "gpu8-all"))
+    rows = [
+        ("hook on a no-GPU container ≤ 1.5 × bare runc", results["no-gpu"]["ratio_vs_bare"], 1.5),
+        ("8 GPUs compute,utility, valid cache ≤ 2.5 × bare runc", results["gpu8"]["ratio_vs_bare"], 2.5),
+        ("64 GPUs ≤ 1.3 × the 8-GPU figure",
+         round(results["gpu64"]["median_ms"] / results["gpu8"]["median_ms"], 3), 1.3),
+        ("hook peak RSS ≤ 40 MiB", rss, 40.0),
+        ("NVML calls per start with a valid cache = 0", cached_calls, 0),
+    ]
+    return [{"target": t, "value": v, "limit": limit, "met": v <= limit} for t, v, limit in rows]
+
+
+def import_profile(python: Path, config: Path, work: Path) -> dict[str, Any]:
+    """``-X importtime`` of the hook on a no-GPU container: the modules with the largest own cost."""
+    bundle = work / "nogpu-bundle"
+    write_bundle(bundle, default_spec("rootfs", ["/bin/true"], []))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "importtime", "pid": os.getpid(), "bundle": str(bundle),
+                        "status": "creating"})
+    own: dict[str, list[int]] = {}
+    cumulative: dict[str, list[int]] = {}
+    for _ in range(IMPORTTIME_RUNS):
+        out = subprocess.run([str(python), "-X", "importtime", "-I", "-m", "gpuhook", "--config", str(config),
+                              "prestart"], input=state, capture_output=True, text=True, check=True, cwd="/",
+                             env={"PATH": "/usr/bin:/bin"})
+        for line in out.stderr.splitlines():
+            fields = line.removeprefix("import time:").split("|")
+            if len(fields) == 3 and fields[0].strip().isdigit():
+                name = fields[2].strip()
+                own.setdefault(name, []).append(int(fields[0]))
+                cumulative.setdefault(name, []).append(int(fields[1]))
+    shutil.rmtree(bundle)
+    top = sorted(own, key=lambda n: statistics.median(own[n]), reverse=True)[:15]
+    return {
+        "modules": len(own),
+        "total_self_us": round(sum(statistics.median(v) for v in own.values())),
+        "top_self_us": [{"module": n, "self_us": round(statistics.median(own[n])),
+                         "cumulative_us": round(statistics.median(cumulative[n]))} for n in top],
+    }
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.machine())
+    runc = subprocess.run([require_tool("runc"), "--version"], capture_output=True, text=True, check=True)
+    return {"cpus": os.cpu_count(), "cpu": model, "kernel": platform.release(),
+            "python": platform.python_version(), "runc": runc.stdout.splitlines()[0]}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The results table and the targets, as Markdown."""
+    lines = [
+        "| scenario | median ms | p90 ms | × bare runc | hook ms | in hook: discovery / apply / total ms "
+        "| hook peak RSS MiB | NVML calls/start |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["scenarios"].values():
+        hook = "–" if r["hook_ms_median"] is None else f"{r['hook_ms_median']:.1f}"
+        logged = r["hook_log_ms_median"]
+        steps = "–" if not logged else f"{logged['discovery_ms']:g} / {logged['apply_ms']:g} / {logged['total_ms']:g}"
+        rss = "–" if r["hook_peak_rss_mib"] is None else f"{r['hook_peak_rss_mib']:.1f}"
+        calls = "–" if r["nvml_calls_per_start"] is None else f"{r['nvml_calls_per_start']:g}"
+        lines.append(f"| {r['title']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['ratio_vs_bare']:.2f} "
+                     f"| {hook} | {steps} | {rss} | {calls} |")
+    lines += ["", "| target | measured | met |", "|---|---:|:---:|"]
+    lines += [f"| {t['target']} | {t['value']:g} | {'yes' if t['met'] else '**no**'} |" for t in report["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build the hosts, run the scenarios, write the JSON and print the table."""
+    parser = argparse.ArgumentParser(prog="python -m integration.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=15, help="timed runs per scenario (default 15)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    if os.geteuid() != 0:
+        print("the benchmark makes device nodes and runs runc: run it as root (make bench)", file=sys.stderr)
+        return 1
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    print("setting up: rootfs, hook install, simulated hosts with 1, 8 and 64 GPUs", file=sys.stderr)
+    rootfs_src = build_rootfs(REPO / ".cache" / "rootfs")
+    python = install_hook(WORK / "venv")
+    scenarios = make_scenarios(python, rootfs_src, WORK)
+    print(f"running {len(scenarios)} scenarios × {args.runs} runs, interleaved", file=sys.stderr)
+    samples = measure(scenarios, python, rootfs_src, WORK, args.runs)
+    results = summarise(scenarios, samples)
+    imports = import_profile(python, WORK / "configs" / "host8.yaml", WORK)
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": f"python -m integration.bench --runs {args.runs}",
+        "machine": machine(),
+        "runs": args.runs,
+        "scenarios": results,
+        "targets": check_targets(results),
+        "importtime_no_gpu": imports,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    m = report["machine"]
+    print(f"\n{report['date']}, {m['cpus']} CPUs ({m['cpu']}), Linux {m['kernel']}, {m['runc']}, "
+          f"Python {m['python']}; {args.runs} runs each\n")
+    print(markdown(report))
+    print(f"no-GPU path, python -X importtime: {imports['modules']} modules, {imports['total_self_us'] / 1000:.1f} ms "
+          "of their own time (importtime's figures, inflated by its own bookkeeping); the largest:")
+    print(", ".join(f"{m['module']} {m['self_us'] / 1000:.1f}" for m in imports["top_self_us"]))
+    print(f"\nresults: {args.out}")
+    shutil.rmtree(WORK, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

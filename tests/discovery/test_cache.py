@@ -1,0 +1,423 @@
+"""The inventory cache: its key, its file, and NVML asked only when the driver's identity changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gpuhook.cli import main
+from gpuhook.config import Config
+from gpuhook.discovery.cache import (
+    CACHE_FORMAT,
+    CachedDiscoverer,
+    DriverIdentity,
+    Outcome,
+    cache_path,
+    decode_cache,
+    encode_cache,
+    fingerprint,
+    load_cache,
+    read_identity,
+    store_cache,
+)
+from gpuhook.discovery.host import HostDiscoverer
+from gpuhook.inventory import Inventory
+from integration.fakehost import FakeHost, create_host
+
+REPO = Path(__file__).parents[2]
+
+
+def _config(root: Path, cache_dir: Path | None) -> Config:
+    """A config pointing every root at *root*, with the cache in *cache_dir*."""
+    return Config(driver_root=root, dev_root=root, proc_root=root, log_file=None, cache_dir=cache_dir)
+
+
+def _calls(host: FakeHost) -> int:
+    """NVML calls logged so far on *host*, all processes together."""
+    return sum(count for _, count in host.nvml_calls())
+
+
+@dataclasses.dataclass
+class CountingDiscoverer:
+    """The real discoverer, counting how often it is asked.
+
+    pynvml binds its function pointers once per process, so in this long-lived test
+    process calls.log cannot tell one simulated host's NVML from another's; the
+    end-to-end tests count real NVML calls per hook process instead.
+    """
+
+    inner: HostDiscoverer
+    asked: int = 0
+
+    def discover(self) -> Inventory:
+        """Ask the real discoverer (NVML and the driver's files)."""
+        self.asked += 1
+        return self.inner.discover()
+
+
+@pytest.fixture(scope="module")
+def inventory(host: FakeHost) -> Inventory:
+    """The shared 4-GPU host's inventory, straight from NVML."""
+    return HostDiscoverer(_config(host.root, None)).discover()
+
+
+@pytest.fixture
+def target(host: FakeHost) -> FakeHost:
+    """The host the cache is tested on: the shared one, unless a test class changes hosts."""
+    return host
+
+
+@pytest.fixture
+def nvml(target: FakeHost) -> CountingDiscoverer:
+    """The discoverer that asks NVML, counted; shared by every CachedDiscoverer of a test."""
+    return CountingDiscoverer(HostDiscoverer(_config(target.root, None)))
+
+
+@pytest.fixture
+def cached(target: FakeHost, nvml: CountingDiscoverer, tmp_path: Path) -> Callable[..., CachedDiscoverer]:
+    """A CachedDiscoverer over *target* with its cache in tmp_path/cache."""
+
+    def make(*, refresh: bool = False, cache_dir: Path | None = tmp_path / "cache") -> CachedDiscoverer:
+        return CachedDiscoverer(config=_config(target.root, cache_dir), inner=nvml, refresh=refresh)
+
+    return make
+
+
+class TestInventoryJson:
+    """Inventory.to_dict / from_dict, the form the cache stores."""
+
+    def test_round_trip(self, inventory: Inventory) -> None:
+        """A real inventory survives JSON unchanged, paths and nested values included."""
+        assert Inventory.from_dict(json.loads(json.dumps(inventory.to_dict()))) == inventory
+
+    def test_round_trip_without_proc_driver(self, inventory: Inventory) -> None:
+        """A host without /proc/driver/nvidia (proc_driver None) round-trips too."""
+        bare = dataclasses.replace(inventory, proc_driver=None)
+        assert Inventory.from_dict(bare.to_dict()) == bare
+
+    @pytest.mark.parametrize(
+        "damage",
+        [
+            pytest.param(lambda d: d.pop("gpus"), id="missing-key"),
+            pytest.param(lambda d: d["gpus"][0].update(minor=True), id="bool-for-int"),
+            pytest.param(lambda d: d["gpus"][0].update(index="0"), id="str-for-int"),
+            pytest.param(lambda d: d["libraries"][0].update(host_path="usr/lib/x.so"), id="relative-path"),
+            pytest.param(lambda d: d.update(control_nodes={}), id="dict-for-list"),
+            pytest.param(lambda d: d["proc_driver"].update(files=[["version"]]), id="short-pair"),
+            pytest.param(lambda d: d.update(driver_version=550), id="int-for-str"),
+        ],
+    )
+    def test_wrong_types_are_refused(self, inventory: Inventory, damage: Callable[[dict[str, object]], object]) -> None:
+        """Every field is type-checked: a damaged document is a ValueError, never a half-built inventory."""
+        data = inventory.to_dict()
+        damage(data)
+        with pytest.raises(ValueError, match="inventory"):
+            Inventory.from_dict(data)
+
+
+class TestDocument:
+    """encode_cache / decode_cache: pure, and every unusable document is a miss."""
+
+    def test_matching_key_decodes(self, inventory: Inventory) -> None:
+        """The inventory comes back for the key it was stored with."""
+        assert decode_cache(encode_cache("k1", inventory), "k1") == inventory
+
+    def test_other_key_is_stale(self, inventory: Inventory) -> None:
+        """A document for another driver identity is stale."""
+        assert decode_cache(encode_cache("k1", inventory), "k2") is Outcome.STALE
+
+    @pytest.mark.parametrize(
+        "data",
+        [
+            pytest.param(b"", id="empty"),
+            pytest.param(b'{"format": 1, "key": "k1", "inventory": {', id="truncated"),
+            pytest.param(b"[1, 2]", id="not-an-object"),
+            pytest.param(json.dumps({"format": CACHE_FORMAT + 1, "key": "k1", "inventory": {}}).encode(),
+                         id="other-format"),
+            pytest.param(json.dumps({"format": CACHE_FORMAT, "key": "k1", "inventory": {"gpus": []}}).encode(),
+                         id="bad-inventory"),
+            pytest.param(b"\xff\xfe garbage", id="binary"),
+            pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep-nesting"),
+        ],
+    )
+    def test_unusable_documents_are_corrupt(self, data: bytes) -> None:
+        """Garbage, other formats and wrong shapes are CORRUPT, not exceptions."""
+        assert decode_cache(data, "k1") is Outcome.CORRUPT
+
+
+class TestFingerprint:
+    """The key is a pure function of the identity, and every part of the identity counts."""
+
+    @pytest.fixture
+    def identity(self, host: FakeHost) -> DriverIdentity:
+        """The shared host's identity."""
+        return read_identity(_config(host.root, None))
+
+    def test_stable(self, host: FakeHost, identity: DriverIdentity) -> None:
+        """Reading an unchanged host twice gives the same key."""
+        assert fingerprint(read_identity(_config(host.root, None))) == fingerprint(identity)
+
+    @pytest.mark.parametrize(
+        "change",
+        [
+            pytest.param({"gpuhook_version": "99"}, id="gpuhook-version"),
+            pytest.param({"roots": ("/a", "/b", "/c")}, id="roots"),
+            pytest.param({"proc_files": ()}, id="proc-files"),
+            pytest.param({"proc_gpus": ()}, id="proc-gpus"),
+            pytest.param({"dev_nodes": ()}, id="dev-nodes"),
+            pytest.param({"capabilities": (("mig", None),)}, id="mig-layout"),
+            pytest.param({"ld_cache": (1, 2, 3, 4)}, id="ld-cache"),
+            pytest.param({"driver_dirs": ()}, id="driver-dirs"),
+            pytest.param({"ipc": ()}, id="ipc-sockets"),
+        ],
+    )
+    def test_each_part_changes_the_key(self, identity: DriverIdentity, change: dict[str, object]) -> None:
+        """Changing any one field of the identity changes the key."""
+        assert fingerprint(dataclasses.replace(identity, **change)) != fingerprint(identity)  # type: ignore[arg-type]
+
+    def test_identity_reads_the_driver(self, host: FakeHost, identity: DriverIdentity) -> None:
+        """The identity holds the NVRM version, every /dev/nvidia* node and the ld.so.cache stamp."""
+        files = dict(identity.proc_files)
+        assert host.driver_version in (files["proc/driver/nvidia/version"] or "")
+        names = {name for name, _, _ in identity.dev_nodes}
+        assert {f"nvidia{g.minor}" for g in host.gpus} | {"nvidiactl", "nvidia-uvm"} <= names
+        st = host.ld_cache.stat()
+        assert identity.ld_cache == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _add_node(host: FakeHost) -> None:
+    """A new GPU node appears (hot-plug, or a node made by hand)."""
+    os.mknod(host.root / "dev/nvidia7", stat.S_IFCHR | 0o666, os.makedev(host.nvidia_major, 7))
+
+
+def _remove_node(host: FakeHost) -> None:
+    """A GPU node disappears (GPU removed or unbound)."""
+    (host.root / "dev/nvidia1").unlink()
+
+
+def _touch_ld_cache(host: FakeHost) -> None:
+    """ldconfig rewrote the driver root's ld.so.cache (a driver install)."""
+    st = host.ld_cache.stat()
+    os.utime(host.ld_cache, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+
+def _new_driver_version(host: FakeHost) -> None:
+    """The kernel module was reloaded with another version."""
+    version = host.root / "proc/driver/nvidia/version"
+    version.chmod(0o644)
+    version.write_text(version.read_text().replace(host.driver_version, "550.90.07"))
+
+
+def _mig_instance(host: FakeHost) -> None:
+    """A MIG GPU instance was created (its capability files appear)."""
+    gi = host.root / "proc/driver/nvidia/capabilities/gpu0/mig/gi1"
+    gi.mkdir(parents=True)
+    (gi / "access").write_text("DeviceFileMinor: 12\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+
+
+def _restart_persistenced(host: FakeHost) -> None:
+    """nvidia-persistenced restarted: a new socket inode."""
+    path = host.root / "run/nvidia-persistenced/socket"
+    path.unlink()
+    with socket.socket(socket.AF_UNIX) as sock:
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            sock.bind(f"/proc/self/fd/{dir_fd}/{path.name}")  # tmp paths can exceed sun_path
+        finally:
+            os.close(dir_fd)
+
+
+HOST_CHANGES = [
+    pytest.param(_add_node, id="gpu-node-added"),
+    pytest.param(_remove_node, id="gpu-node-removed"),
+    pytest.param(_touch_ld_cache, id="ld-so-cache-touched"),
+    pytest.param(_new_driver_version, id="driver-reloaded"),
+    pytest.param(_mig_instance, id="mig-instance-created"),
+    pytest.param(_restart_persistenced, id="persistenced-restarted"),
+]
+
+
+class TestIdentityChanges:
+    """Each way the driver's identity changes makes the next lookup ask NVML again."""
+
+    @pytest.fixture
+    def target(self, tmp_path: Path) -> FakeHost:
+        """A fresh 2-GPU host this test may change."""
+        return create_host(tmp_path / "host", gpus=2)
+
+    @pytest.mark.parametrize("change", HOST_CHANGES)
+    def test_identity_change_rebuilds(self, target: FakeHost, cached: Callable[..., CachedDiscoverer],
+                                      nvml: CountingDiscoverer, change: Callable[[FakeHost], None]) -> None:
+        """A changed driver identity is a stale cache: NVML is asked again and the new result stored."""
+        cached().lookup()
+        change(target)
+        rebuilt = cached().lookup()
+        assert rebuilt.outcome is Outcome.STALE and rebuilt.not_stored is None and nvml.asked == 2
+        assert cached().lookup().outcome is Outcome.HIT and nvml.asked == 2
+
+    def test_removed_node_is_not_served_from_the_cache(self, target: FakeHost,
+                                                       cached: Callable[..., CachedDiscoverer]) -> None:
+        """After /dev/nvidia1 goes away, the inventory no longer lists it."""
+        assert len(cached().lookup().inventory.gpu_nodes) == 2
+        _remove_node(target)
+        assert [n.name for n in cached().lookup().inventory.gpu_nodes] == ["nvidia0"]
+
+
+class TestCachedDiscoverer:
+    """NVML on a miss, never on a hit; the file is atomic, trusted and self-healing."""
+
+    def test_second_lookup_is_a_hit_without_nvml(self, cached: Callable[..., CachedDiscoverer],
+                                                  nvml: CountingDiscoverer) -> None:
+        """The first lookup asks NVML and stores; the second answers from the file alone."""
+        first = cached().lookup()
+        assert first.outcome is Outcome.ABSENT and first.not_stored is None and nvml.asked == 1
+        second = cached().lookup()
+        assert second.outcome is Outcome.HIT and second.inventory == first.inventory
+        assert nvml.asked == 1
+
+    def test_file_and_directory_modes(self, cached: Callable[..., CachedDiscoverer], tmp_path: Path) -> None:
+        """The directory is 0755, the file 0644, and no temporary file is left behind."""
+        cached().lookup()
+        directory = tmp_path / "cache"
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o755
+        files = list(directory.iterdir())
+        assert len(files) == 1 and files[0].name.startswith("inventory-") and files[0].suffix == ".json"
+        assert stat.S_IMODE(files[0].stat().st_mode) == 0o644
+
+    def test_refresh_rebuilds(self, cached: Callable[..., CachedDiscoverer], nvml: CountingDiscoverer) -> None:
+        """refresh=True ignores a valid file, asks NVML and writes it again."""
+        cached().lookup()
+        assert cached(refresh=True).lookup().outcome is Outcome.REFRESH and nvml.asked == 2
+        assert cached().lookup().outcome is Outcome.HIT and nvml.asked == 2
+
+    def test_disabled(self, cached: Callable[..., CachedDiscoverer], nvml: CountingDiscoverer,
+                      tmp_path: Path) -> None:
+        """cache_dir null: NVML every time, nothing written."""
+        assert cached(cache_dir=None).lookup().outcome is Outcome.DISABLED
+        assert cached(cache_dir=None).lookup().outcome is Outcome.DISABLED
+        assert nvml.asked == 2 and not (tmp_path / "cache").exists()
+
+    def test_corrupt_file_is_a_miss_and_is_replaced(self,
+                                                    cached: Callable[..., CachedDiscoverer]) -> None:
+        """A truncated file is rebuilt, not an error."""
+        config = cached().config
+        assert config.cache_dir is not None
+        cached().lookup()
+        path = cache_path(config.cache_dir, config)
+        path.write_bytes(path.read_bytes()[:100])
+        assert cached().lookup().outcome is Outcome.CORRUPT
+        assert cached().lookup().outcome is Outcome.HIT
+
+    def test_symlinked_file_is_not_followed(self, cached: Callable[..., CachedDiscoverer], tmp_path: Path) -> None:
+        """A symlink in place of the file is untrusted (O_NOFOLLOW), then replaced by a real file."""
+        config = cached().config
+        assert config.cache_dir is not None
+        cached().lookup()
+        path = cache_path(config.cache_dir, config)
+        real = tmp_path / "elsewhere.json"
+        path.rename(real)
+        path.symlink_to(real)
+        assert cached().lookup().outcome is Outcome.UNTRUSTED
+        assert not path.is_symlink() and cached().lookup().outcome is Outcome.HIT
+
+    def test_group_writable_file_is_untrusted(self, cached: Callable[..., CachedDiscoverer]) -> None:
+        """A file others may write could point bind mounts anywhere: it is not read."""
+        config = cached().config
+        assert config.cache_dir is not None
+        cached().lookup()
+        cache_path(config.cache_dir, config).chmod(0o666)
+        assert cached().lookup().outcome is Outcome.UNTRUSTED
+        assert cached().lookup().outcome is Outcome.HIT  # the rebuild wrote a 0644 file
+
+    def test_world_writable_directory_is_neither_read_nor_written(self, cached: Callable[..., CachedDiscoverer],
+                                                                  tmp_path: Path) -> None:
+        """In a directory others may write, the cache is bypassed and the reason reported."""
+        cached().lookup()
+        (tmp_path / "cache").chmod(0o777)
+        found = cached().lookup()
+        assert found.outcome is Outcome.UNTRUSTED
+        assert found.not_stored is not None and "writable by others" in found.not_stored
+
+    def test_unwritable_location_still_gives_the_inventory(self, cached: Callable[..., CachedDiscoverer],
+                                                          tmp_path: Path) -> None:
+        """A cache_dir that cannot be created is reported, and the start goes on with NVML's answer."""
+        (tmp_path / "file").write_text("")
+        found = cached(cache_dir=tmp_path / "file" / "cache").lookup()
+        assert found.outcome is Outcome.ABSENT and found.inventory.gpus
+        assert found.not_stored is not None and "cannot write" in found.not_stored
+
+    def test_hit_does_not_import_pynvml(self, target: FakeHost, cached: Callable[..., CachedDiscoverer]) -> None:
+        """With a valid cache, a fresh process gets the inventory without importing pynvml."""
+        cached().lookup()
+        root, cache_dir = str(target.root), str(cached().config.cache_dir)
+        code = (
+            "import sys; from pathlib import Path; from gpuhook.config import Config; "
+            "from gpuhook.discovery.cache import CachedDiscoverer; from gpuhook.discovery.host import HostDiscoverer; "
+            f"r = Path({root!r}); "
+            f"c = Config(driver_root=r, dev_root=r, proc_root=r, log_file=None, cache_dir=Path({cache_dir!r})); "
+            "found = CachedDiscoverer(config=c, inner=HostDiscoverer(c)).lookup(); "
+            "print(found.outcome.value, 'pynvml' in sys.modules)"
+        )
+        out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+        assert out.stdout.split() == ["hit", "False"]
+
+    def test_racing_writers_never_expose_a_partial_file(self, inventory: Inventory, tmp_path: Path) -> None:
+        """Writers racing to replace the file leave readers a whole document every time."""
+        path = tmp_path / "cache" / "inventory-race.json"
+        data = encode_cache("k", inventory)
+        store_cache(path, data)
+        blob = tmp_path / "data"
+        blob.write_bytes(data)
+        writer = (
+            "import sys; from pathlib import Path; from gpuhook.discovery.cache import store_cache; "
+            "data = Path(sys.argv[2]).read_bytes(); [store_cache(Path(sys.argv[1]), data) for _ in range(200)]"
+        )
+        writers = [subprocess.Popen([sys.executable, "-I", "-c", writer, str(path), str(blob)], cwd=REPO)
+                   for _ in range(3)]
+        running = True
+        while running:
+            running = any(w.poll() is None for w in writers)
+            found = load_cache(path)
+            assert isinstance(found, bytes) and decode_cache(found, "k") == inventory
+        assert all(w.wait() == 0 for w in writers)
+        assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary left behind
+
+
+class TestInfoRefresh:
+    """`gpuhook info --refresh` rebuilds the cache by hand."""
+
+    def _write_config(self, tmp_path: Path, host: FakeHost, cache_dir: str) -> Path:
+        """A config for *host* with *cache_dir* (a path or null) and no log."""
+        path = tmp_path / "gpuhook.yaml"
+        path.write_text(f"driver_root: {host.root}\ndev_root: {host.root}\nproc_root: {host.root}\n"
+                        f"log_file: null\ncache_dir: {cache_dir}\n")
+        return path
+
+    def test_refresh_writes_the_cache(self, host: FakeHost, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+        """info --refresh asks NVML and writes the file; a plain info then reads it."""
+        config = self._write_config(tmp_path, host, str(tmp_path / "cache"))
+        assert main(["--config", str(config), "info", "--refresh"]) == 0
+        assert "rebuilt from NVML and cached" in capsys.readouterr().out
+        assert len(list((tmp_path / "cache").glob("inventory-*.json"))) == 1
+        calls = _calls(host)
+        assert main(["--config", str(config), "info"]) == 0
+        out = capsys.readouterr().out
+        assert "from the cache (no NVML)" in out and host.gpus[0].uuid in out
+        assert _calls(host) == calls
+
+    def test_refresh_with_the_cache_disabled_fails(self, host: FakeHost, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+        """With cache_dir null there is nothing to refresh: exit 1 with one line that says so."""
+        config = self._write_config(tmp_path, host, "null")
+        assert main(["--config", str(config), "info", "--refresh"]) == 1
+        assert "inventory cache is disabled" in capsys.readouterr().err

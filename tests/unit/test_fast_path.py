@@ -1,0 +1,70 @@
+"""The hook's no-GPU fast path: argv without argparse, and nothing heavy imported on the way out."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuhook.cli import _hook_argv, _parser
+
+REPO = Path(__file__).parents[2]
+#: Modules the no-GPU path must never load: the GPU path's dependencies and the CLI's argparse.
+HEAVY = ("argparse", "yaml", "structlog", "pynvml", "psutil", "platform", "gpuhook.config", "gpuhook.log",
+         "gpuhook.discovery", "gpuhook.planning", "gpuhook.apply", "gpuhook.cli.common")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["prestart"], id="bare"),
+        pytest.param(["--config", "/etc/g.yaml", "prestart"], id="config"),
+        pytest.param(["--config=/etc/g.yaml", "--debug", "createRuntime"], id="config-eq-debug"),
+        pytest.param(["--debug", "--config", "/c", "poststop"], id="debug-first"),
+        pytest.param(["--config", "/a", "--config", "/b", "prestart"], id="last-config-wins"),
+        pytest.param(["--config", "prestart", "prestart"], id="file-named-like-a-stage"),
+        pytest.param(["--config=", "poststart"], id="empty-config"),
+    ],
+)
+def test_hook_argv_agrees_with_argparse(argv: list[str]) -> None:
+    """The hand decoder gives exactly what argparse gives for the argv shapes runtimes send."""
+    fast = _hook_argv(argv)
+    slow = _parser().parse_args(argv)
+    assert fast is not None
+    assert (fast.command, fast.config, fast.debug) == (slow.command, slow.config, slow.debug)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param([], id="empty"),
+        pytest.param(["--help"], id="help"),
+        pytest.param(["--version"], id="version"),
+        pytest.param(["info", "--refresh"], id="other-command"),
+        pytest.param(["--config", "--debug", "prestart"], id="option-as-value"),
+        pytest.param(["--conf", "/c", "prestart"], id="abbreviation"),
+        pytest.param(["prestart", "extra"], id="trailing"),
+        pytest.param(["--config", "/c"], id="no-stage"),
+        pytest.param(["--bogus", "prestart"], id="unknown-option"),
+    ],
+)
+def test_anything_else_goes_to_argparse(argv: list[str]) -> None:
+    """Help, version, other commands and mistakes are left to argparse (usage text, exit 2)."""
+    assert _hook_argv(argv) is None
+
+
+def test_no_gpu_start_loads_nothing_heavy(tmp_path: Path) -> None:
+    """A container without NVIDIA variables: exit 0 with no YAML, structlog, NVML, argparse or planning loaded."""
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps(
+        {"ociVersion": "1.0.2", "process": {"args": ["sh"], "env": ["PATH=/bin"]}, "root": {"path": "rootfs"}}))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "pid": 4242, "bundle": str(bundle), "status": "creating"})
+    code = ("import sys; from gpuhook.cli import main; rc = main(['--config', '/nonexistent.yaml', 'prestart']); "
+            f"print(rc, sorted(m for m in sys.modules if m.startswith({HEAVY!r})))")
+    out = subprocess.run([sys.executable, "-I", "-c", code], input=state, capture_output=True, text=True,
+                         check=True, cwd="/")
+    assert out.stdout.strip() == "0 []", out.stderr
