@@ -12,6 +12,7 @@ path never pays for it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,12 +84,14 @@ def load_config(path: Path, *, required: bool) -> Config:
 
 def parse_config(text: str, *, source: str = "<config>") -> Config:
     """Decode YAML text into a Config, refusing unknown keys and wrong types."""
-    import yaml
+    data = parse_flat_yaml(text)
+    if data is _NOT_FLAT:
+        import yaml  # only for files outside the flat subset: PyYAML costs ~14 ms per container start
 
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML: {err}") from err
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{source}: not valid YAML: {err}") from err
     if data is None:
         return Config()
     if not isinstance(data, dict):
@@ -97,6 +100,43 @@ def parse_config(text: str, *, source: str = "<config>") -> Config:
     if unknown:
         raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
     return Config(**{key: _convert(key, value, source) for key, value in data.items()})
+
+
+_NOT_FLAT: Final[Any] = object()
+_LINE: Final = re.compile(r"([a-z_]+):(?: +([^#'\"\s]*))?(?: +#.*)? *")  # spaces only: YAML refuses some tabs
+_SCALARS: Final[dict[str, Any]] = {
+    "": None, "~": None, "null": None, "Null": None, "NULL": None,
+    "true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False,
+    **{level: level for level in LOG_LEVELS},
+}
+
+
+def parse_flat_yaml(text: str) -> Any:
+    """A flat ``key: scalar`` document as PyYAML's safe_load reads it, or _NOT_FLAT.
+
+    gpuhook.yaml is a flat mapping of paths, booleans, numbers and level names.
+    This reads exactly that subset (tests check it against PyYAML) and hands
+    anything else, including every value PyYAML 1.1 might read differently
+    ("yes", "1e3", quotes), to PyYAML.
+    """
+    data: dict[str, Any] = {}
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        match = _LINE.fullmatch(line)
+        if match is None or match[1] in data:
+            return _NOT_FLAT
+        raw = match[2] or ""
+        if raw in _SCALARS:
+            data[match[1]] = _SCALARS[raw]
+        elif re.fullmatch(r"[1-9][0-9]{0,8}|0", raw):
+            data[match[1]] = int(raw)
+        elif re.fullmatch(r"/[A-Za-z0-9_./-]*", raw):
+            data[match[1]] = raw
+        else:
+            return _NOT_FLAT
+    return data or None
 
 
 def _convert(key: str, value: Any, source: str) -> Any:

@@ -116,7 +116,5 @@ def _report_failure(err: GpuHookError) -> None:
     """One log event (if logging is set up) and one plain line on stderr."""
     log = sys.modules.get("gpuhook.log")
     if log is not None and log.is_configured():
-        import structlog
-
-        structlog.get_logger().error("hook_failed", kind=type(err).__name__, error=str(err))
+        log.get_logger().error("hook_failed", kind=type(err).__name__, error=str(err))
     print(f"gpuhook: {err}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """``gpuhook prestart`` / ``createRuntime``: the OCI hook itself.
 
 The no-GPU path is a budget: a container that asks for no GPU costs reading
-stdin and config.json, and nothing else (no YAML, no structlog, no NVML). So
+stdin and config.json, and nothing else (no YAML, no logging set-up, no NVML). So
 this module imports only what that path needs; the GPU path imports the rest
 after the check. With a valid inventory cache the GPU path does not import
 pynvml either (see discovery.cache).
@@ -30,18 +30,17 @@ def run_hook(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[
     if not may_request_gpus(spec):
         return 0
     # Past this point the container asks for a GPU: load everything else.
-    import structlog
-
     from gpuhook.apply import ContainerRef, apply_plan
     from gpuhook.cli.common import load_settings, make_target, rootfs_identity
     from gpuhook.discovery.cache import CachedDiscoverer
     from gpuhook.discovery.host import HostDiscoverer
+    from gpuhook.log import get_logger
     from gpuhook.planning.planner import make_plan
     from gpuhook.request.parse import parse_request
 
     config = load_settings(config_arg, debug, env)
-    structlog.contextvars.bind_contextvars(container_id=state.id, pid=state.pid)
-    log = structlog.get_logger()
+    log = get_logger()
+    log.bind(container_id=state.id, pid=state.pid)
     request = parse_request(
         spec,
         accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,

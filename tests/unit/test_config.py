@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpuhook.config import DEFAULT_PATH, Config, load_config, parse_config, resolve_config_path
 from gpuhook.errors import ConfigError
@@ -64,3 +66,35 @@ def test_refusals(text: str, message: str) -> None:
     """Bad settings are refused with a message naming the key and the expectation."""
     with pytest.raises(ConfigError, match=message):
         parse_config(text)
+
+
+def test_flat_subset_reads_like_pyyaml() -> None:
+    """The fast reader agrees with PyYAML on the shipped file, or defers to it."""
+    import yaml
+
+    from gpuhook.config import parse_flat_yaml
+
+    assert parse_flat_yaml(SHIPPED.read_text()) == yaml.safe_load(SHIPPED.read_text())
+    for text in ("a: yes\n", "a: 1e3\n", "a: '/x'\n", "a:\n  - 1\n", "a: 1\na: 2\n", "---\na: 1\n", "a: 0x10\n",
+                 "a: 2001-12-14\n", "a: .inf\n", "a: /x # c\n b: 1\n"):
+        flat = parse_flat_yaml(text)
+        assert flat is not None and (not isinstance(flat, dict) or flat == yaml.safe_load(text)), text
+
+
+_KEYS = st.from_regex(r"[a-z_]{1,12}", fullmatch=True)
+_VALUES = st.one_of(st.sampled_from(["", "~", "null", "true", "False", "TRUE", "debug", "0", "12", "30", "007",
+                                     "yes", "on", "1.5", "-1", "x", "/run/nvidia/driver", "/a-b/c.d_e"]),
+                    st.from_regex(r"/[A-Za-z0-9_./-]{0,20}", fullmatch=True), st.text(max_size=12))
+
+
+@given(st.lists(st.tuples(_KEYS, _VALUES, st.sampled_from(["", "  # note", "\t#x"])), max_size=6))
+def test_flat_reader_never_disagrees_with_pyyaml(lines: list[tuple[str, str, str]]) -> None:
+    """For any document, the fast reader either defers or returns exactly what PyYAML returns."""
+    import yaml
+
+    from gpuhook.config import parse_flat_yaml
+
+    text = "".join(f"{key}: {value}{comment}\n" for key, value, comment in lines)
+    flat = parse_flat_yaml(text)
+    if isinstance(flat, dict) or flat is None:
+        assert flat == yaml.safe_load(text)  # a document PyYAML refuses is never read as flat
