@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,14 +145,19 @@ def _apply_in_container(
     skipped: list[str] = []
     try:
         for node in plan.devices:
-            fs.mknod(node.path, node.major, node.minor, node.mode)
+            with _step("mknod", node.path):
+                fs.mknod(node.path, node.major, node.minor, node.mode)
         for mount, tree in zip(plan.mounts, trees, strict=True):
-            fs.attach(tree, fs.mount_target(mount.target), mount.target)
+            with _step("mount", mount.target):
+                fs.attach(tree, fs.mount_target(mount.target), mount.target)
         for link in plan.symlinks:
-            if not fs.symlink(link.path, link.target):
-                skipped.append(f"{link.path}: already exists in the image")
-        if plan.proc_driver is not None and not _mask_proc_driver(fs, plan.proc_driver, gpu_trees):
-            skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
+            with _step("symlink", link.path):
+                if not fs.symlink(link.path, link.target):
+                    skipped.append(f"{link.path}: already exists in the image")
+        if plan.proc_driver is not None:
+            with _step("mount tmpfs", plan.proc_driver.target):
+                if not _mask_proc_driver(fs, plan.proc_driver, gpu_trees):
+                    skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
         if plan.ldconfig is not None and ldconfig_fd is not None:
             # Half the budget: a hung ldconfig must fail inside this child, so rollback still runs.
             run_ldconfig(ldconfig_fd, fs.root_fd, plan.ldconfig.dirs, timeout=timeout / 2)
@@ -160,6 +167,15 @@ def _apply_in_container(
             err.detail = f"{err.detail or 'failed'}; could not undo: {'; '.join(leftovers)}"
         raise
     return skipped
+
+
+@contextmanager
+def _step(step: str, path: str) -> Iterator[None]:
+    """Name the step and container path in any OS error (an image can make any call fail)."""
+    try:
+        yield
+    except OSError as err:
+        raise ApplyError(step, path, errno_=err.errno) from err
 
 
 def _open_rootfs(container: ContainerRef) -> int:

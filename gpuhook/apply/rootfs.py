@@ -142,12 +142,21 @@ class RootFs:
             pass
         except OSError as err:
             raise ApplyError("mknod", path, errno_=err.errno) from err
-        # Check what is there now: it must be exactly our device, never a symlink (runc mknodDevice).
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if not stat.S_ISCHR(st.st_mode) or st.st_rdev != rdev:
-            raise ApplyError("mknod", path, detail=f"exists and is not the character device {major}:{minor}")
-        if stat.S_IMODE(st.st_mode) != mode:
-            os.chmod(name, mode, dir_fd=dir_fd)  # a character device, checked just above
+        # Check what is there now, through one fd: it must be exactly our device, never a symlink
+        # (runc mknodDevice), and a mode fix goes through that same fd, so a swap after the check
+        # cannot redirect the chmod to a host file.
+        try:
+            fd = linux.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, linux.RESOLVE_NO_SYMLINKS)
+        except OSError as err:
+            raise ApplyError("mknod", path, errno_=err.errno) from err
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISCHR(st.st_mode) or st.st_rdev != rdev:
+                raise ApplyError("mknod", path, detail=f"exists and is not the character device {major}:{minor}")
+            if stat.S_IMODE(st.st_mode) != mode:
+                os.chmod(f"/proc/self/fd/{fd}", mode)
+        finally:
+            os.close(fd)
 
     def symlink(self, path: str, target: str) -> bool:
         """Create *path* → *target* unless something already exists there; True if created."""
@@ -177,23 +186,20 @@ class RootFs:
             linux.move_mount(tree_fd, target_fd, what=path)
         except OSError as err:
             raise ApplyError("mount", path, errno_=err.errno) from err
-        self._record(f"umount {path}", lambda: self._umount(path))
-        # Re-resolve from the root: *path* must now show the mounted object, on a new mount.
-        check = self.open(path, os.O_PATH | os.O_NOFOLLOW)
+        # After move_mount, *tree_fd* is the attached mount itself: undo through it, never by path
+        # (which a racing rename could point elsewhere).
+        self._record(f"umount {path}", lambda: linux.umount_detach(f"/proc/self/fd/{tree_fd}"))
+        # Re-resolve from the root: *path* must now show the mounted object, on exactly our mount.
+        try:
+            check = self.open(path, os.O_PATH | os.O_NOFOLLOW)
+        except OSError as err:
+            raise ApplyError("mount", path, errno_=err.errno, detail="gone after mounting") from err
         try:
             got, got_mount = os.fstat(check), linux.mount_id(check)
         finally:
             os.close(check)
-        if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino) or got_mount == parent:
+        if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino) or got_mount != linux.mount_id(tree_fd):
             raise ApplyError("mount", path, detail="after mounting, the path does not show the mounted file")
-
-    def _umount(self, path: str) -> None:
-        """Detach the top mount at *path* (through a fresh in-root fd)."""
-        fd = self.open(path, os.O_PATH | os.O_NOFOLLOW)
-        try:
-            linux.umount_detach(f"/proc/self/fd/{fd}")
-        finally:
-            os.close(fd)
 
     # -- undo ------------------------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ def parse_spec(data: bytes, bundle: Path) -> BundleSpec:
     process = strictjson.get_obj(obj, "process", what=what)
     linux = strictjson.get_obj(obj, "linux", what=what)
     root_path = strictjson.get_str(strictjson.get_obj(obj, "root", what=what), "path", what=what)
+    check_path(root_path, f"{what}: root.path")
     rootfs = Path(root_path) if root_path.startswith("/") else bundle / root_path
     return BundleSpec(
         env=_parse_env(strictjson.get_list(process, "env", what=what), what),
@@ -62,9 +63,20 @@ def _parse_env(entries: list[Any], what: str) -> dict[str, str]:
         if not isinstance(entry, str):
             raise SpecError(f"{what}: process.env entries must be strings, got {entry!r}")
         key, sep, value = entry.partition("=")
-        if sep:
-            env[key] = value
+        if not sep or not key:
+            raise SpecError(f"{what}: process.env entry {entry[:80]!r} is not KEY=VALUE")
+        env[key] = value
     return env
+
+
+def check_path(path: str, what: str) -> None:
+    """A path the hook will open: encodable for the kernel and free of NUL."""
+    try:
+        raw = path.encode("utf-8", "surrogateescape")  # what os.fsencode does on Linux
+    except UnicodeEncodeError as err:
+        raise SpecError(f"{what} {path!r} is not a valid file name") from err
+    if b"\0" in raw:
+        raise SpecError(f"{what} {path!r} contains a NUL byte")
 
 
 def _has_sys_admin(caps: Any, what: str) -> bool:

@@ -8,6 +8,7 @@ from typing import Final
 
 from gpuhook.errors import SpecError
 from gpuhook.oci import strictjson
+from gpuhook.oci.spec import check_path
 
 #: podman adds every annotation to the state; 1 MiB leaves room and bounds memory.
 STATE_LIMIT: Final = 1 << 20
@@ -35,6 +36,7 @@ def parse_state(data: bytes) -> ContainerState:
     bundle = strictjson.get_str(obj, bundle_key, what=what)
     if not bundle.startswith("/"):
         raise SpecError(f"{what}: bundle {bundle!r} must be an absolute path")
+    check_path(bundle, f"{what}: bundle")
     container_id = strictjson.get_str(obj, "id", what=what, default="")
     pid = strictjson.get_int(obj, "pid", what=what)
     if pid is not None and pid > PID_MAX:

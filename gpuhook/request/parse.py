@@ -163,11 +163,9 @@ def parse_capabilities(raw: str | None, *, legacy: bool = False) -> frozenset[Ca
     names = [n for n in names if n]
     if not names:
         return DEFAULT_CAPABILITIES
-    if "all" in names:
-        return ALL_CAPABILITIES
     caps: set[Capability] = set()
     for name in names:
-        if name == "none":
+        if name in ("none", "all"):
             continue
         try:
             caps.add(Capability(name))
@@ -177,7 +175,7 @@ def parse_capabilities(raw: str | None, *, legacy: bool = False) -> frozenset[Ca
                 f"{DRIVER_CAPABILITIES}={raw!r}: unknown capability {name!r}; "
                 f"expected a comma-separated list of {known}, or 'all'"
             ) from None
-    return frozenset(caps)
+    return ALL_CAPABILITIES if "all" in names else frozenset(caps)
 
 
 def parse_requirements(env: Mapping[str, str], *, legacy: bool) -> tuple[Requirement, ...]:

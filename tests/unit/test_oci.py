@@ -55,9 +55,13 @@ def _config(**process: object) -> bytes:
 
 def test_spec_env_rootfs_and_privilege() -> None:
     """env (later duplicates win), relative root.path, CAP_SYS_ADMIN in bounding."""
-    data = _config(env=["A=1", "A=2", "NOEQUALS", "B=x=y"], capabilities={"bounding": ["CAP_SYS_ADMIN"]})
+    data = _config(env=["A=1", "A=2", "B=x=y"], capabilities={"bounding": ["CAP_SYS_ADMIN"]})
     spec = parse_spec(data, Path("/bundle"))
     assert spec.env == {"A": "2", "B": "x=y"}
+    with pytest.raises(SpecError, match="'NOEQUALS' is not KEY=VALUE"):
+        parse_spec(_config(env=["NOEQUALS"]), Path("/bundle"))
+    with pytest.raises(SpecError, match="not a valid file name"):
+        parse_spec(json.dumps({"ociVersion": "1", "process": {}, "root": {"path": "\ud800"}}).encode(), Path("/b"))
     assert spec.rootfs == Path("/bundle/rootfs")
     assert spec.privileged
 

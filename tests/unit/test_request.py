@@ -78,6 +78,8 @@ def test_unknown_capability_is_refused_with_the_list() -> None:
     """The message names the bad capability and lists the valid ones."""
     with pytest.raises(RequestError, match=r"unknown capability 'cuda'.*compat32, compute, display"):
         parse_capabilities("compute,cuda")
+    with pytest.raises(RequestError, match=r"unknown capability 'evil'"):
+        parse_capabilities("all,display,evil")
 
 
 def test_unset_means_untouched() -> None:

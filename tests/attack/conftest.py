@@ -1,0 +1,84 @@
+"""Fixtures for the attack suite: the rig, runc's default device rules, and small compiled helpers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from integration.engines import require_tool
+from integration.fakehost import FakeHost
+from integration.rootfs import build_rootfs
+
+from .rig import HERE, Rig, plain_spec_rules
+
+REPO = HERE.parents[1]
+PROGS = HERE / "progs"
+
+
+@pytest.fixture(autouse=True)
+def _need_root() -> None:
+    """These tests start real runc containers; running them unprivileged is a set-up error, not a skip."""
+    if os.geteuid() != 0:
+        pytest.fail("the attack suite starts real runc containers and must run as root (make test does)")
+
+
+@pytest.fixture(scope="session")
+def rootfs_src() -> Path:
+    """The cached busybox+glibc Debian-style rootfs (with dltest and devopen)."""
+    return build_rootfs(REPO / ".cache" / "rootfs")
+
+
+@pytest.fixture(scope="session")
+def default_rules(tmp_path_factory: pytest.TempPathFactory, rootfs_src: Path) -> frozenset[str]:
+    """runc's own device-cgroup rules for our spec, measured once from a container without hooks."""
+    return plain_spec_rules(tmp_path_factory.mktemp("baseline"), rootfs_src)
+
+
+@pytest.fixture
+def rig(tmp_path: Path, host: FakeHost, rootfs_src: Path, default_rules: frozenset[str]) -> Iterator[Rig]:
+    """A per-test attack rig on the simulated 4-GPU host; stray processes left in its tree are killed after."""
+    rig = Rig(tmp_path, host, rootfs_src, default_rules)
+    yield rig
+    rig.kill_leftovers()
+
+
+@dataclass(frozen=True, slots=True)
+class Progs:
+    """Helper binaries built once per session from ``tests/attack/progs``."""
+
+    #: a shared object whose constructor writes ``marker`` (the NVIDIAScape payload)
+    poc_so: Path
+    #: a shared object that does nothing (LD_PRELOAD without side effects)
+    noop_so: Path
+    #: a real shared library with SONAME libmarker.so.1, named libmarker.so.1.0
+    libmarker: Path
+    #: a static executable that prints "boom" and exits 1 (a failing ldconfig)
+    exit1: Path
+    #: where poc.so writes when it runs
+    marker: Path
+
+
+@pytest.fixture(scope="session")
+def progs(tmp_path_factory: pytest.TempPathFactory) -> Progs:
+    """Compile the C helpers with gcc."""
+    gcc = require_tool("gcc")
+    out = tmp_path_factory.mktemp("progs")
+    out.chmod(0o755)
+    marker = out / "owned"
+
+    def cc(*args: str) -> None:
+        proc = subprocess.run([gcc, "-O2", "-Wall", "-Werror", *args], capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr
+
+    progs = Progs(poc_so=out / "poc.so", noop_so=out / "noop.so", libmarker=out / "libmarker.so.1.0",
+                  exit1=out / "exit1", marker=marker)
+    cc("-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(progs.poc_so), str(PROGS / "poc.c"))
+    cc("-shared", "-fPIC", "-o", str(progs.noop_so), str(PROGS / "noop.c"))
+    cc("-shared", "-fPIC", "-Wl,-soname,libmarker.so.1", "-o", str(progs.libmarker), str(PROGS / "noop.c"))
+    cc("-static", "-o", str(progs.exit1), str(PROGS / "exit1.c"))
+    return progs
