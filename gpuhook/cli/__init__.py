@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
 
 from gpuhook import __version__
 from gpuhook.errors import GpuHookError
 
+TYPE_CHECKING = False  # importing typing costs ~3 ms of every container start
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Sequence
+    from typing import Any
 
 HOOK_STAGES = ("prestart", "createRuntime")
 NOOP_STAGES = ("poststart", "poststop")

@@ -1,81 +1,38 @@
-"""``gpuhook prestart`` / ``createRuntime``: the OCI hook itself.
+"""``gpuhook prestart`` / ``createRuntime``: the OCI hook itself, and its no-GPU fast path.
 
-The no-GPU path is a budget: a container that asks for no GPU costs reading
-stdin and config.json, and nothing else (no YAML, no logging set-up, no NVML). So
-this module imports only what that path needs; the GPU path imports the rest
-after the check. With a valid inventory cache the GPU path does not import
-pynvml either (see discovery.cache).
+Every container start may run the hook (a hooks.d ``always`` rule), so a
+container that asks for no GPU costs reading stdin and config.json and
+nothing else: this module imports only ``json``, ``os``, ``select``, ``stat``
+and ``time`` (no dataclasses, typing, YAML, logging or NVML), decodes both
+documents once, and returns. A GPU request continues in ``cli.inject`` with
+the same decoded objects.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
-from typing import BinaryIO
+from gpuhook.cli.hygiene import check_environment
+from gpuhook.cli.inputs import read_bounded, read_config_json
+from gpuhook.oci import strictjson
+from gpuhook.request.quick import asks_for_gpu
 
-from gpuhook.cli.bundle import read_spec
-from gpuhook.cli.hygiene import check_environment, read_bounded, settle_process
-from gpuhook.errors import SpecError
-from gpuhook.oci.state import STATE_LIMIT, parse_state
-from gpuhook.request.parse import may_request_gpus
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import BinaryIO
+
+STATE_WHAT = "the OCI state on stdin"
 
 
 def run_hook(config_arg: str | None, debug: bool, stdin: BinaryIO, env: Mapping[str, str]) -> int:
-    """Inject the GPUs the container in the OCI state asks for."""
-    started = time.monotonic()
+    """Inject the GPUs the container in the OCI state asks for (or do nothing, fast)."""
     check_environment(env)
-    settle_process()
-    state = parse_state(read_bounded(stdin, limit=STATE_LIMIT))
-    spec = read_spec(state.bundle)
-    if not may_request_gpus(spec):
+    state = strictjson.loads_object(read_bounded(stdin, limit=strictjson.STATE_LIMIT), what=STATE_WHAT,
+                                    limit=strictjson.STATE_LIMIT)
+    bundle = strictjson.get_str(state, "bundle" if "bundle" in state else "bundlePath", what=STATE_WHAT)
+    spec = strictjson.loads_object(read_config_json(bundle, limit=strictjson.SPEC_LIMIT),
+                                   what=f"{bundle}/config.json", limit=strictjson.SPEC_LIMIT)
+    if not asks_for_gpu(spec):
         return 0
-    # Past this point the container asks for a GPU: load everything else.
-    from gpuhook.apply import ContainerRef, apply_plan
-    from gpuhook.cli.common import load_settings, make_target, rootfs_identity
-    from gpuhook.discovery.cache import CachedDiscoverer
-    from gpuhook.discovery.host import HostDiscoverer
-    from gpuhook.log import get_logger
-    from gpuhook.planning.planner import make_plan
-    from gpuhook.request.parse import parse_request
+    from gpuhook.cli.inject import inject
 
-    config = load_settings(config_arg, debug, env)
-    log = get_logger()
-    log.bind(container_id=state.id, pid=state.pid)
-    request = parse_request(
-        spec,
-        accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
-        accept_volume_mounts=config.accept_volume_mounts,
-    )
-    if request is None:
-        log.info("no_gpu_requested", privileged=spec.privileged)
-        return 0
-    if state.pid is None or state.pid == 1:
-        raise SpecError(
-            f"the OCI state's pid is {state.pid}, not a host pid; run gpuhook as a prestart or createRuntime hook"
-        )
-    log.info("request_parsed", source=request.source, devices=request.raw,
-             capabilities=sorted(request.capabilities), requirements=[str(r) for r in request.requirements])
-    step = time.monotonic()
-    found = CachedDiscoverer(config=config, inner=HostDiscoverer(config)).lookup()
-    inventory = found.inventory
-    log.info("host_discovered", driver=inventory.driver_version, gpus=len(inventory.gpus),
-             cache=found.outcome.value, ms=_ms(step))
-    if found.not_stored is not None:
-        log.warning("inventory_not_cached", reason=found.not_stored)
-    plan = make_plan(request, inventory, make_target(spec, config))
-    log.info("plan_built", gpus=list(plan.gpus), devices=len(plan.devices), mounts=len(plan.mounts),
-             cgroup_rules=len(plan.cgroup_rules))
-    for skipped in plan.skipped:
-        log.debug("skipped", what=skipped.what, reason=skipped.reason)
-    step = time.monotonic()
-    container = ContainerRef(pid=state.pid, rootfs=spec.rootfs, rootfs_id=rootfs_identity(spec.rootfs))
-    report = apply_plan(plan, container, ldconfig=config.ldconfig, timeout=config.timeout_seconds)
-    for what in report.skipped:
-        log.warning("apply_skipped", what=what)
-    log.info("applied", ms=_ms(step), total_ms=_ms(started))
-    return 0
-
-
-def _ms(since: float) -> float:
-    """Milliseconds since *since*, rounded for the log."""
-    return round((time.monotonic() - since) * 1000, 1)
+    return inject(config_arg, debug, env, state, spec)

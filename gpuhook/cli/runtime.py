@@ -71,18 +71,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _edit(bundle: Path, config: str | None) -> None:
     """Put the devices and the hook into ``<bundle>/config.json`` if the container asks for a GPU."""
-    from gpuhook.cli.common import load_settings, read_spec
+    from gpuhook.cli.common import load_settings
+    from gpuhook.cli.inputs import read_config_json
     from gpuhook.cli.specedit import edited_spec, write_spec
     from gpuhook.oci import strictjson
-    from gpuhook.oci.spec import SPEC_LIMIT
-    from gpuhook.request.parse import may_request_gpus
+    from gpuhook.oci.spec import SPEC_LIMIT, spec_from_object
+    from gpuhook.request.quick import asks_for_gpu
 
-    spec = read_spec(bundle)
-    if not may_request_gpus(spec):
+    path = bundle / "config.json"
+    raw = strictjson.loads_object(read_config_json(str(bundle), limit=SPEC_LIMIT), what=str(path), limit=SPEC_LIMIT)
+    if not asks_for_gpu(raw):
         return
     settings = load_settings(config, False, os.environ)
-    path = bundle / "config.json"
-    raw = strictjson.loads_object(path.read_bytes(), what=str(path), limit=SPEC_LIMIT)
-    edited = edited_spec(raw, spec, settings)
+    edited = edited_spec(raw, spec_from_object(raw, bundle), settings)
     if edited is not raw:
         write_spec(path, add_hook(dict(edited), hook_entry(config)))

@@ -17,12 +17,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from gpuhook.cli.common import load_settings, read_spec
-from gpuhook.cli.hygiene import read_bounded
+from gpuhook.cli.common import load_settings
+from gpuhook.cli.inputs import read_bounded, read_config_json
 from gpuhook.config import Config
 from gpuhook.discovery.host import HostDiscoverer
 from gpuhook.oci import strictjson
-from gpuhook.oci.spec import SPEC_LIMIT, BundleSpec, parse_spec
+from gpuhook.oci.spec import SPEC_LIMIT, BundleSpec, parse_spec, spec_from_object
 from gpuhook.planning.planner import plan_devices
 from gpuhook.planning.specedit import add_devices
 from gpuhook.request.parse import parse_request
@@ -44,10 +44,9 @@ def run_spec_edit(config_arg: str | None, debug: bool, bundle_arg: str, env: Map
     """Edit ``<bundle>/config.json`` in place, atomically."""
     config = load_settings(config_arg, debug, env)
     bundle = Path(bundle_arg).absolute()
-    spec = read_spec(bundle)
     path = bundle / "config.json"
-    raw = strictjson.loads_object(path.read_bytes(), what=str(path), limit=SPEC_LIMIT)
-    edited = edited_spec(raw, spec, config)
+    raw = strictjson.loads_object(read_config_json(str(bundle), limit=SPEC_LIMIT), what=str(path), limit=SPEC_LIMIT)
+    edited = edited_spec(raw, spec_from_object(raw, bundle), config)
     if edited is not raw:
         write_spec(path, edited)
     return 0

@@ -10,8 +10,7 @@ from typing import Any, Final
 from gpuhook.errors import SpecError
 from gpuhook.oci import strictjson
 
-#: docker and podman specs are a few KiB; a large env still fits in 8 MiB.
-SPEC_LIMIT: Final = 8 << 20
+SPEC_LIMIT: Final = strictjson.SPEC_LIMIT
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,8 +36,12 @@ class BundleSpec:
 
 def parse_spec(data: bytes, bundle: Path) -> BundleSpec:
     """Decode config.json; a relative root.path is taken relative to *bundle*."""
+    return spec_from_object(strictjson.loads_object(data, what=f"{bundle}/config.json", limit=SPEC_LIMIT), bundle)
+
+
+def spec_from_object(obj: Mapping[str, Any], bundle: Path) -> BundleSpec:
+    """Check and convert an already decoded config.json object."""
     what = f"{bundle}/config.json"
-    obj = strictjson.loads_object(data, what=what, limit=SPEC_LIMIT)
     for key in ("ociVersion", "process", "root"):
         if key not in obj:
             raise SpecError(f"{what}: missing {key!r}; is this an OCI bundle?")

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from gpuhook.errors import SpecError
 from gpuhook.oci import strictjson
 from gpuhook.oci.spec import check_path
 
-#: podman adds every annotation to the state; 1 MiB leaves room and bounds memory.
-STATE_LIMIT: Final = 1 << 20
+STATE_LIMIT: Final = strictjson.STATE_LIMIT
+WHAT: Final = "the OCI state on stdin"
 #: PID_MAX_LIMIT on 64-bit kernels (include/linux/threads.h): no pid is larger.
 PID_MAX: Final = 1 << 22
 
@@ -29,8 +30,12 @@ class ContainerState:
 
 def parse_state(data: bytes) -> ContainerState:
     """Decode the state JSON (runc, crun, docker, podman forms)."""
-    what = "the OCI state on stdin"
-    obj = strictjson.loads_object(data, what=what, limit=STATE_LIMIT)
+    return state_from_object(strictjson.loads_object(data, what=WHAT, limit=STATE_LIMIT))
+
+
+def state_from_object(obj: Mapping[str, Any]) -> ContainerState:
+    """Check and convert an already decoded state object."""
+    what = WHAT
     # Docker before 17.06 wrote "bundlePath"; NVIDIA's hook still accepts it.
     bundle_key = "bundle" if "bundle" in obj else "bundlePath"
     bundle = strictjson.get_str(obj, bundle_key, what=what)

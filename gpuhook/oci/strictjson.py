@@ -9,10 +9,18 @@ and raise ``SpecError`` naming the document.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import Any
 
 from gpuhook.errors import SpecError
+
+TYPE_CHECKING = False  # typing costs ~3 ms to import; the no-GPU path must not pay it
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any
+
+#: podman adds every annotation to the state; 1 MiB leaves room and bounds memory.
+STATE_LIMIT = 1 << 20
+#: docker and podman specs are a few KiB; a large env still fits in 8 MiB.
+SPEC_LIMIT = 8 << 20
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -23,6 +23,8 @@ from typing import Final
 
 from gpuhook.errors import RequestError
 from gpuhook.oci.spec import BundleSpec
+from gpuhook.request import quick
+from gpuhook.request.quick import VISIBLE_DEVICES, is_legacy_image
 from gpuhook.request.model import (
     ALL_CAPABILITIES,
     DEFAULT_CAPABILITIES,
@@ -36,11 +38,10 @@ from gpuhook.request.model import (
 )
 from gpuhook.request.requirements import Requirement, parse_requirement
 
-VISIBLE_DEVICES: Final = "NVIDIA_VISIBLE_DEVICES"
 DRIVER_CAPABILITIES: Final = "NVIDIA_DRIVER_CAPABILITIES"
 DISABLE_REQUIRE: Final = "NVIDIA_DISABLE_REQUIRE"
 REQUIRE_PREFIX: Final = "NVIDIA_REQUIRE_"
-DEVICE_LIST_DIR: Final = PurePosixPath("/var/run/nvidia-container-devices")
+DEVICE_LIST_DIR: Final = PurePosixPath(quick.DEVICE_LIST_DIR)
 
 _UUID: Final = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
 _INDEX_RE: Final = re.compile(r"[0-9]{1,4}")
@@ -48,29 +49,12 @@ _GPU_UUID_RE: Final = re.compile(rf"GPU-{_UUID}")
 _MIG_UUID_RE: Final = re.compile(rf"MIG-{_UUID}|MIG-GPU-{_UUID}/[0-9]{{1,4}}/[0-9]{{1,4}}")
 _MIG_INDEX_RE: Final = re.compile(r"([0-9]{1,4}):([0-9]{1,4})")
 _TRUE: Final = frozenset({"1", "t", "T", "TRUE", "true", "True"})  # Go strconv.ParseBool
-_BLANKS: Final = " \t\n\r"
+_BLANKS: Final = quick.BLANKS
 
 ACCEPTED_FORMS: Final = (
     "'all', 'none', 'void', or a comma-separated list of GPU indices (0,1), "
     "GPU UUIDs (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx), MIG UUIDs (MIG-…) or MIG indices (0:1)"
 )
-
-
-def is_legacy_image(env: Mapping[str, str]) -> bool:
-    """CUDA images from before NVIDIA_VISIBLE_DEVICES: CUDA_VERSION without NVIDIA_REQUIRE_CUDA."""
-    return bool(env.get("CUDA_VERSION")) and not env.get("NVIDIA_REQUIRE_CUDA")
-
-
-def may_request_gpus(spec: BundleSpec) -> bool:
-    """Cheap pre-check for the no-GPU fast path: can this spec ask for a GPU at all?
-
-    False means the container is left untouched whatever the configuration
-    says, so the hook can exit before loading its config or the driver.
-    """
-    env = spec.env
-    if env.get(VISIBLE_DEVICES, "").strip(_BLANKS) or is_legacy_image(env):
-        return True
-    return any(_device_list_entry(m.destination) is not None for m in spec.mounts if m.source == "/dev/null")
 
 
 def parse_request(

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from gpuhook.errors import RequestError
 from gpuhook.oci.spec import BundleSpec, MountSpec
 from gpuhook.request.model import ALL_CAPABILITIES, DEFAULT_CAPABILITIES, Capability, GpuIndex, GpuUuid, MigIndex, MigUuid
-from gpuhook.request.parse import may_request_gpus, parse_capabilities, parse_request, parse_visible_devices
+from gpuhook.request.parse import parse_capabilities, parse_request, parse_visible_devices
+from gpuhook.request.quick import asks_for_gpu
 
 UUID = "GPU-1a2b3c4d-0000-1111-2222-333344445555"
 MIG = "MIG-1a2b3c4d-0000-1111-2222-333344445555"
@@ -20,6 +21,12 @@ MIG = "MIG-1a2b3c4d-0000-1111-2222-333344445555"
 def spec(env: dict[str, str], *, privileged: bool = False, mounts: tuple[MountSpec, ...] = ()) -> BundleSpec:
     """A bundle spec with just what the parser reads."""
     return BundleSpec(env=env, rootfs=Path("/r"), privileged=privileged, mounts=mounts)
+
+
+def raw(env: dict[str, str], mounts: tuple[MountSpec, ...] = ()) -> dict[str, object]:
+    """The config.json object the fast path sees."""
+    return {"process": {"env": [f"{k}={v}" for k, v in env.items()]},
+            "mounts": [{"destination": m.destination, "source": m.source, "type": m.type} for m in mounts]}
 
 
 def request(env: dict[str, str], **kw: bool):  # type: ignore[no-untyped-def]
@@ -85,7 +92,7 @@ def test_unknown_capability_is_refused_with_the_list() -> None:
 def test_unset_means_untouched() -> None:
     """No NVIDIA variables: no request, and the fast path says so too."""
     assert request({"PATH": "/bin"}) is None
-    assert not may_request_gpus(spec({"PATH": "/bin"}))
+    assert not asks_for_gpu(raw({"PATH": "/bin"}))
 
 
 def test_legacy_image_gets_all_gpus_and_capabilities() -> None:
@@ -122,7 +129,7 @@ def test_volume_mount_list_takes_priority() -> None:
     bundle = spec({"NVIDIA_VISIBLE_DEVICES": "all"}, mounts=mounts)
     req = parse_request(bundle, accept_envvar_when_unprivileged=False, accept_volume_mounts=True)
     assert req is not None and req.devices == (GpuUuid(UUID),) and not req.all_devices
-    assert may_request_gpus(spec({}, mounts=mounts))
+    assert asks_for_gpu(raw({}, mounts=mounts))
     # Not accepted: the mounts are ignored and the (allowed) env decides.
     req = parse_request(bundle, accept_envvar_when_unprivileged=True, accept_volume_mounts=False)
     assert req is not None and req.all_devices
@@ -144,3 +151,24 @@ def test_any_capability_string_parses_or_raises_our_error(raw: str) -> None:
         assert parse_capabilities(raw) <= ALL_CAPABILITIES
     except RequestError:
         pass
+
+
+_ENV_KEYS = st.sampled_from(["NVIDIA_VISIBLE_DEVICES", "CUDA_VERSION", "NVIDIA_REQUIRE_CUDA", "NVIDIA_DRIVER_CAPABILITIES",
+                             "PATH"])
+_ENV_VALUES = st.sampled_from(["", " ", "all", "none", "void", "0", "11.0", "cuda>=11.0", "compute"])
+_MOUNTS = st.lists(st.builds(MountSpec, destination=st.sampled_from(
+    ["/var/run/nvidia-container-devices/0", "/var/run/nvidia-container-devices/all", "/data", "/var/run/x"]),
+    source=st.sampled_from(["/dev/null", "/src"]), type=st.just("bind")), max_size=2)
+
+
+@given(st.dictionaries(_ENV_KEYS, _ENV_VALUES, max_size=4), _MOUNTS, st.booleans(), st.booleans())
+def test_fast_path_never_skips_a_request(env: dict[str, str], mounts: list[MountSpec], unpriv: bool,
+                                         volumes: bool) -> None:
+    """Whenever the full parser would inject something, the fast path sends the container to it."""
+    try:
+        req = parse_request(spec(env, mounts=tuple(mounts)), accept_envvar_when_unprivileged=unpriv,
+                            accept_volume_mounts=volumes)
+    except RequestError:
+        req = "refused"  # type: ignore[assignment]
+    if req is not None:
+        assert asks_for_gpu(raw(env, tuple(mounts)))

@@ -1,0 +1,73 @@
+"""The GPU path of the hook: config, request, inventory (cached), plan, and the privileged apply."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from gpuhook.apply import ContainerRef, apply_plan
+from gpuhook.cli.common import load_settings, make_target, rootfs_identity
+from gpuhook.cli.hygiene import settle_process
+from gpuhook.discovery.cache import CachedDiscoverer
+from gpuhook.discovery.host import HostDiscoverer
+from gpuhook.errors import SpecError
+from gpuhook.log import get_logger
+from gpuhook.oci.spec import spec_from_object
+from gpuhook.oci.state import state_from_object
+from gpuhook.planning.planner import make_plan
+from gpuhook.request.parse import parse_request
+
+
+def inject(
+    config_arg: str | None, debug: bool, env: Mapping[str, str], state_obj: Mapping[str, Any],
+    spec_obj: Mapping[str, Any],
+) -> int:
+    """Give the container its GPUs; raises GpuHookError to refuse it."""
+    started = time.monotonic()
+    settle_process()
+    state = state_from_object(state_obj)
+    spec = spec_from_object(spec_obj, state.bundle)
+    config = load_settings(config_arg, debug, env)
+    log = get_logger()
+    log.bind(container_id=state.id, pid=state.pid)
+    request = parse_request(
+        spec,
+        accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
+        accept_volume_mounts=config.accept_volume_mounts,
+    )
+    if request is None:
+        log.info("no_gpu_requested", privileged=spec.privileged)
+        return 0
+    if state.pid is None or state.pid == 1:
+        raise SpecError(
+            f"the OCI state's pid is {state.pid}, not a host pid; run gpuhook as a prestart or createRuntime hook"
+        )
+    log.info("request_parsed", source=request.source, devices=request.raw,
+             capabilities=sorted(request.capabilities), requirements=[str(r) for r in request.requirements])
+    step = time.monotonic()
+    found = CachedDiscoverer(config=config, inner=HostDiscoverer(config)).lookup()
+    inventory = found.inventory
+    log.info("host_discovered", driver=inventory.driver_version, gpus=len(inventory.gpus),
+             cache=found.outcome.value, ms=_ms(step))
+    if found.not_stored is not None:
+        log.warning("inventory_not_cached", reason=found.not_stored)
+    plan = make_plan(request, inventory, make_target(spec, config))
+    log.info("plan_built", gpus=list(plan.gpus), devices=len(plan.devices), mounts=len(plan.mounts),
+             cgroup_rules=len(plan.cgroup_rules))
+    for skipped in plan.skipped:
+        log.debug("skipped", what=skipped.what, reason=skipped.reason)
+    step = time.monotonic()
+    container = ContainerRef(pid=state.pid, rootfs=spec.rootfs, rootfs_id=rootfs_identity(spec.rootfs))
+    report = apply_plan(plan, container, ldconfig=config.ldconfig, timeout=config.timeout_seconds)
+    for what in report.skipped:
+        log.warning("apply_skipped", what=what)
+    log.info("applied", ms=_ms(step), total_ms=_ms(started))
+    return 0
+
+
+def _ms(since: float) -> float:
+    """Milliseconds since *since*, rounded for the log."""
+    return round((time.monotonic() - since) * 1000, 1)
+
+

@@ -1,0 +1,46 @@
+"""Does a config.json ask for a GPU at all? The no-GPU fast path's one decision, on the raw JSON.
+
+Every container start on a host with a hooks.d ``always`` rule runs the hook,
+so this check runs before anything else is imported (no dataclasses, no
+typing, no regular expressions). It only says "certainly no GPU" when the
+spec is plainly well-formed and has none of NVIDIA's requests; anything
+unusual goes to the full, strict parser (``request.parse``), which then
+refuses or injects.
+"""
+
+from __future__ import annotations
+
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
+BLANKS = " \t\n\r"
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any
+
+
+def is_legacy_image(env: Mapping[str, str]) -> bool:
+    """CUDA images from before NVIDIA_VISIBLE_DEVICES: CUDA_VERSION without NVIDIA_REQUIRE_CUDA."""
+    return bool(env.get("CUDA_VERSION")) and not env.get("NVIDIA_REQUIRE_CUDA")
+
+
+def asks_for_gpu(spec: Mapping[str, Any]) -> bool:
+    """False only when the decoded config.json certainly requests no GPU."""
+    process = spec.get("process")
+    if not isinstance(process, dict):
+        return True
+    entries = process.get("env") or []
+    mounts = spec.get("mounts") or []
+    if not isinstance(entries, list) or not isinstance(mounts, list):
+        return True
+    env: dict[str, str] = {}
+    for entry in entries:
+        if not isinstance(entry, str) or "=" not in entry:
+            return True  # malformed: let the strict parser say so
+        key, _, value = entry.partition("=")
+        env[key] = value
+    if env.get(VISIBLE_DEVICES, "").strip(BLANKS) or is_legacy_image(env):
+        return True
+    # Device-plugin volume mounts; matched loosely here, exactly in request.parse.
+    return any(not isinstance(m, dict) or "nvidia-container-devices" in str(m.get("destination")) for m in mounts)
