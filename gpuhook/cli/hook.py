@@ -2,7 +2,7 @@
 
 Every container start may run the hook (a hooks.d ``always`` rule), so a
 container that asks for no GPU costs reading stdin and config.json and
-nothing else: this module imports only ``json``, ``os``, ``select``, ``stat``
+nothing else: this module imports only the C JSON scanner, ``os``, ``select``, ``stat``
 and ``time`` (no dataclasses, typing, YAML, logging or NVML), decodes both
 documents once, and returns. A GPU request continues in ``cli.inject`` with
 the same decoded objects.

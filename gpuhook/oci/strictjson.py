@@ -8,9 +8,14 @@ and raise ``SpecError`` naming the document.
 
 from __future__ import annotations
 
-import json
-
 from gpuhook.errors import SpecError
+
+try:
+    # The C scanner the json package itself uses. Importing json would also import re and enum
+    # (~3 ms of every container start) for the pure-Python fallbacks this never needs.
+    from _json import make_scanner as _make_scanner
+except ImportError:  # pragma: no cover - Pythons without the C accelerator
+    from json.scanner import make_scanner as _make_scanner
 
 TYPE_CHECKING = False  # typing costs ~3 ms to import; the no-GPU path must not pay it
 if TYPE_CHECKING:
@@ -38,12 +43,40 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+class _Context:
+    """The decoder settings the scanner reads (what json.JSONDecoder would hold)."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = staticmethod(_no_duplicates)
+    parse_float = float
+    parse_int = int
+    parse_constant = staticmethod(_no_constant)
+    memo: dict[str, str] = {}  # noqa: RUF012 - the pure-Python scanner's string cache, read only by it
+
+
+_scan = _make_scanner(_Context())  # type: ignore[arg-type] # the scanner only reads these attributes
+_BLANK = " \t\n\r"
+
+
+def decode(text: str) -> Any:
+    """One JSON document, like json.loads with our hooks; raises ValueError or RecursionError."""
+    start = len(text) - len(text.lstrip(_BLANK))
+    try:
+        value, end = _scan(text, start)
+    except StopIteration as err:
+        raise ValueError(f"expecting a value at character {err.value}") from None
+    if text[end:].strip(_BLANK):
+        raise ValueError(f"extra data at character {end}")
+    return value
+
+
 def loads_object(data: bytes, *, what: str, limit: int) -> Mapping[str, Any]:
-    """Decode *data* as one JSON object of at most *limit* bytes."""
+    """Decode *data* (UTF-8) as one JSON object of at most *limit* bytes."""
     if len(data) > limit:
         raise SpecError(f"{what} is {len(data)} bytes; the limit is {limit}")
     try:
-        value = json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        value = decode(data.decode("utf-8"))
     except (ValueError, RecursionError) as err:
         raise SpecError(f"{what} is not valid JSON: {err}") from err
     if not isinstance(value, dict):

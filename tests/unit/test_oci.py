@@ -105,3 +105,29 @@ def test_runtime_owned_devices() -> None:
     }
     data = json.dumps({"ociVersion": "1", "process": {}, "root": {"path": "r"}, "linux": linux}).encode()
     assert parse_spec(data, Path("/b")).runtime_devices == {(195, 0)}
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=10)
+
+
+@given(_JSON, st.sampled_from(["", " ", "\n\t"]))
+def test_decoder_matches_the_json_module(value: object, pad: str) -> None:
+    """The C-scanner decoder reads every document exactly as json.loads does."""
+    import json as stdlib_json
+
+    from gpuhook.oci.strictjson import decode
+
+    text = pad + stdlib_json.dumps(value) + pad
+    assert decode(text) == stdlib_json.loads(text)
+
+
+@pytest.mark.parametrize("text", ["", "  ", "{} x", "[1,]", "{'a': 1}", "NaN", '{"a": Infinity}', '{"a":1,"a":2}',
+                                  "[" * 100000, "\ufeff{}"])
+def test_decoder_refuses_what_it_must(text: str) -> None:
+    """Empty input, trailing data, bad syntax, NaN/Infinity, duplicate keys, deep nesting: ValueError/RecursionError."""
+    from gpuhook.oci.strictjson import decode
+
+    with pytest.raises((ValueError, RecursionError)):
+        decode(text)
