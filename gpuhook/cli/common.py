@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -60,7 +59,7 @@ def is_debian_like(rootfs: Path) -> bool:
 def make_target(spec: BundleSpec, config: Config) -> Target:
     """Placement facts for this container."""
     return Target(
-        libs_dir=libs_dir(debian_like=is_debian_like(spec.rootfs), machine=platform.machine()),
+        libs_dir=libs_dir(debian_like=is_debian_like(spec.rootfs), machine=os.uname().machine),
         manage_cgroups=not config.no_cgroups,
         runtime_devices=spec.runtime_devices,
     )
