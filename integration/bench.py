@@ -53,6 +53,7 @@ from integration.rootfs import build_rootfs, copy_rootfs
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / ".cache" / "bench" / "results.json"
+LAUNCHER = REPO / "packaging" / "gpuhook-hook"
 WORK = REPO / ".cache" / "bench" / "work"
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
 COMPUTE = "compute,utility"
@@ -178,7 +179,8 @@ def make_scenarios(python: Path, rootfs_src: Path, work: Path) -> list[Scenario]
     no_cache = write_config(configs / "host8-nocache.yaml", hosts[8], cache=False)
 
     def hook(config: Path) -> tuple[str, ...]:
-        return ("-I", "-m", "gpuhook", "--config", str(config), "prestart")
+        # What the kernel runs for packaging/gpuhook-hook (its shebang is `python -I`).
+        return ("-I", str(LAUNCHER), "--config", str(config), "prestart")
 
     def gpus(caps: str) -> tuple[str, ...]:
         return ("NVIDIA_VISIBLE_DEVICES=all", f"NVIDIA_DRIVER_CAPABILITIES={caps}")

@@ -160,3 +160,13 @@ def test_plan_and_info_work_unprivileged(host: FakeHost, tmp_path: Path) -> None
     assert '"/dev/nvidia3"' in plan.stdout and '"c 195:1 rw"' in plan.stdout
     assert '"/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15"' in plan.stdout
     assert os.geteuid() == 0  # the test itself ran as root and dropped privileges only for the commands
+
+
+def test_packaged_launcher_runs_the_hook(make_container: MakeContainer, host: FakeHost) -> None:
+    """packaging/gpuhook-hook, run as its `python -I` shebang would run it, injects the GPUs."""
+    launcher = Path(__file__).parents[2] / "packaging" / "gpuhook-hook"
+    hook = {"path": sys.executable, "args": [sys.executable, "-I", str(launcher), "--config", str(host.config_path),
+                                            "prestart"], "env": ["PATH=/usr/bin:/bin"]}
+    result = make_container(PROBE, TWO_GPUS, hook=hook).run()
+    assert result.returncode == 0, result.stderr
+    assert "/dev/nvidia1 ENXIO" in result.stdout and "dlopen libcuda.so.1: OK" in result.stdout
