@@ -47,6 +47,27 @@ IPC_SOCKETS: Final[Mapping[str, Capability]] = MappingProxyType({
     "run/nvidia-fabricmanager/socket": Capability.UTILITY,
 })
 
+#: Config files the driver installs (relative to the driver root, mounted at the same path), and the
+#: capability that needs each: the files NVIDIA's CLI never mounted (lnc#132, nvidia-docker#1520).
+CONFIG_FILES: Final[Mapping[str, Capability]] = MappingProxyType({
+    "usr/share/vulkan/icd.d/nvidia_icd.json": Capability.GRAPHICS,
+    "etc/vulkan/icd.d/nvidia_icd.json": Capability.GRAPHICS,
+    "usr/share/glvnd/egl_vendor.d/10_nvidia.json": Capability.GRAPHICS,
+    "usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json": Capability.GRAPHICS,
+    "usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json": Capability.GRAPHICS,
+    "usr/share/nvidia/nvoptix.bin": Capability.GRAPHICS,
+    "etc/OpenCL/vendors/nvidia.icd": Capability.COMPUTE,
+})
+
+#: Feature-gated device families (NVIDIA_<NAME>=enabled) → node name prefixes under /dev.
+GATED_NODES: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType({
+    "gds": ("nvidia-fs",),
+    "mofed": ("infiniband/uverbs", "infiniband/rdma_cm"),
+    "nvswitch": ("nvidia-nvswitch",),
+    "gdrcopy": ("gdrdrv",),
+})
+IMEX_DIR: Final = "nvidia-caps-imex-channels"
+
 #: libnvidia-container's implied sets (options.h ``container_opts``):
 #: video needs the compute libraries, display needs the graphics ones.
 _IMPLIED_LIBRARIES: Final = MappingProxyType({

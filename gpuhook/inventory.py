@@ -74,6 +74,11 @@ class Inventory:
     firmware: tuple[DriverFile, ...]
     ipc: tuple[DriverFile, ...]
     proc_driver: ProcDriver | None = None
+    #: config files the driver installs (Vulkan ICD, EGL vendor, OpenCL ICD); name = path in the container
+    configs: tuple[DriverFile, ...] = ()
+    #: IMEX channels and the feature-gated devices (GDS, MOFED, NVSwitch, GDRCopy); read fresh on each
+    #: start that asks for them, never cached (they come and go with modules, independent of the driver)
+    extra_nodes: tuple[HostDevice, ...] = ()
 
     def gpu_node(self, minor: int) -> HostDevice | None:
         """The host's /dev/nvidia<minor>, if it exists."""
@@ -93,6 +98,7 @@ class Inventory:
             "binaries": [_file_dict(f) for f in self.binaries],
             "firmware": [_file_dict(f) for f in self.firmware],
             "ipc": [_file_dict(f) for f in self.ipc],
+            "configs": [_file_dict(f) for f in self.configs],
             "proc_driver": None if proc is None else {
                 "host_dir": str(proc.host_dir),
                 "files": [[name, text] for name, text in proc.files],
@@ -114,6 +120,7 @@ class Inventory:
             binaries=_items(data, "binaries", _file),
             firmware=_items(data, "firmware", _file),
             ipc=_items(data, "ipc", _file),
+            configs=_items(data, "configs", _file),
             proc_driver=None if proc is None else ProcDriver(
                 host_dir=_path(proc, "host_dir"),
                 files=_items(proc, "files", _name_and_text),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from collections.abc import Mapping
@@ -13,7 +14,10 @@ from gpuhook.config import Config, load_config, resolve_config_path
 from gpuhook.errors import SpecError
 from gpuhook.oci.spec import BundleSpec
 from gpuhook.planning.paths import libs_dir
+from gpuhook.discovery.host import extra_nodes
+from gpuhook.inventory import Inventory
 from gpuhook.planning.planner import Target
+from gpuhook.request.model import GpuRequest
 
 
 def load_settings(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> Config:
@@ -63,3 +67,10 @@ def make_target(spec: BundleSpec, config: Config) -> Target:
         manage_cgroups=not config.no_cgroups,
         runtime_devices=spec.runtime_devices,
     )
+
+
+def complete_inventory(inventory: Inventory, request: GpuRequest, config: Config) -> Inventory:
+    """Add the IMEX and feature-gated nodes when the request needs them (read fresh, never cached)."""
+    if request.imex_channels or request.gated:
+        return dataclasses.replace(inventory, extra_nodes=extra_nodes(config.dev_root))
+    return inventory

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuhook.apply import ContainerRef, apply_plan
-from gpuhook.cli.common import load_settings, make_target, rootfs_identity
+from gpuhook.cli.common import complete_inventory, load_settings, make_target, rootfs_identity
 from gpuhook.cli.hygiene import settle_process
 from gpuhook.discovery.cache import CachedDiscoverer
 from gpuhook.discovery.host import HostDiscoverer
@@ -47,7 +47,7 @@ def inject(
              capabilities=sorted(request.capabilities), requirements=[str(r) for r in request.requirements])
     step = time.monotonic()
     found = CachedDiscoverer(config=config, inner=HostDiscoverer(config)).lookup()
-    inventory = found.inventory
+    inventory = complete_inventory(found.inventory, request, config)
     log.info("host_discovered", driver=inventory.driver_version, gpus=len(inventory.gpus),
              cache=found.outcome.value, ms=_ms(step))
     if found.not_stored is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuhook.cli.bundle import read_spec
-from gpuhook.cli.common import load_settings, make_target
+from gpuhook.cli.common import complete_inventory, load_settings, make_target
 from gpuhook.config import Config
 from gpuhook.discovery.cache import CachedDiscoverer, Outcome
 from gpuhook.discovery.host import HostDiscoverer
@@ -32,7 +32,8 @@ def run_plan(config_arg: str | None, debug: bool, bundle: str, env: Mapping[str,
     if request is None:
         _print_json({"request": None, "plan": None, "note": "the container asks for no GPU; it is left untouched"})
         return 0
-    plan = make_plan(request, _discoverer(config).discover(), make_target(spec, config))
+    inventory = complete_inventory(_discoverer(config).discover(), request, config)
+    plan = make_plan(request, inventory, make_target(spec, config))
     _print_json({
         "request": {
             "source": request.source, "devices": request.raw, "all": request.all_devices,

@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from gpuhook.cli.common import load_settings
+from gpuhook.cli.common import complete_inventory, load_settings
 from gpuhook.cli.inputs import read_bounded, read_config_json
 from gpuhook.config import Config
+from gpuhook.discovery.cache import CachedDiscoverer
 from gpuhook.discovery.host import HostDiscoverer
 from gpuhook.oci import strictjson
 from gpuhook.oci.spec import SPEC_LIMIT, BundleSpec, parse_spec, spec_from_object
@@ -37,7 +38,8 @@ def edited_spec(raw: Mapping[str, Any], spec: BundleSpec, config: Config) -> Map
     )
     if request is None:
         return raw
-    return add_devices(raw, plan_devices(request, HostDiscoverer(config).discover()).devices)
+    inventory = CachedDiscoverer(config=config, inner=HostDiscoverer(config)).discover()
+    return add_devices(raw, plan_devices(request, complete_inventory(inventory, request, config)).devices)
 
 
 def run_spec_edit(config_arg: str | None, debug: bool, bundle_arg: str, env: Mapping[str, str]) -> int:

@@ -57,6 +57,7 @@ class HostDiscoverer:
             firmware=_firmware(driver, facts.driver_version),
             ipc=tuple(f for rel in catalog.IPC_SOCKETS if (f := _socket(driver, rel)) is not None),
             proc_driver=_proc_driver(HostRoot(self.config.proc_root)),
+            configs=tuple(f for rel in catalog.CONFIG_FILES if (f := _regular(driver, rel)) is not None),
         )
 
 
@@ -111,6 +112,24 @@ def _firmware(root: HostRoot, version: str) -> tuple[DriverFile, ...]:
         if name.startswith("gsp") and name.endswith(".bin") and found and stat.S_ISREG(found[1].st_mode):
             out.append(DriverFile(name=f"/{rel}/{name}", host_path=found[0]))
     return tuple(out)
+
+
+def _regular(root: HostRoot, rel: str) -> DriverFile | None:
+    """A regular file of the driver, named by its path (the same in the container)."""
+    found = root.resolve(rel)
+    if found is None or not stat.S_ISREG(found[1].st_mode):
+        return None
+    return DriverFile(name=f"/{rel}", host_path=found[0])
+
+
+def extra_nodes(dev_root: Path) -> tuple[HostDevice, ...]:
+    """IMEX channels and the feature-gated devices present under *dev_root* (a few listdirs, no NVML)."""
+    root = HostRoot(dev_root)
+    prefixes = tuple(p for names in catalog.GATED_NODES.values() for p in names if "/" not in p)
+    names = [n for n in root.listdir("dev") if n.startswith(prefixes)]
+    for sub in ("infiniband", catalog.IMEX_DIR):
+        names += [f"{sub}/{n}" for n in root.listdir(f"dev/{sub}")]
+    return tuple(node for name in sorted(names) if (node := _char_device(root, name)) is not None)
 
 
 def _socket(root: HostRoot, rel: str) -> DriverFile | None:

@@ -24,7 +24,12 @@ from gpuhook.planning.select import select_gpus
 from gpuhook.request.model import Capability, GpuRequest
 
 #: Development symlinks NVIDIA adds (nvc_mount.c symlink_libraries); SONAME links come from ldconfig.
-_DEV_SYMLINKS = (("libcuda.so", "libcuda.so.1"), ("libnvidia-opticalflow.so", "libnvidia-opticalflow.so.1"))
+_DEV_SYMLINKS = (
+    ("libcuda.so", "libcuda.so.1"),
+    ("libnvidia-opticalflow.so", "libnvidia-opticalflow.so.1"),
+    # GLVND's indirect-rendering entry point (nvc_mount.c symlink_libraries).
+    ("libGLX_indirect.so.0", "libGLX_nvidia.so.0"),
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,8 +57,36 @@ def plan_devices(request: GpuRequest, inventory: Inventory) -> DevicePlan:
     check_requirements(request.requirements, inventory, gpus)
     skipped: list[Skipped] = []
     control = _control_devices(inventory, request.capabilities, skipped)
-    return DevicePlan(gpus=gpus, devices=control + tuple(_gpu_device(inventory, g) for g in gpus),
+    extra = _imex_devices(inventory, request.imex_channels) + _gated_devices(inventory, request.gated, skipped)
+    return DevicePlan(gpus=gpus, devices=control + tuple(_gpu_device(inventory, g) for g in gpus) + extra,
                       skipped=tuple(skipped))
+
+
+def _imex_devices(inventory: Inventory, channels: tuple[int, ...]) -> tuple[DeviceNode, ...]:
+    """/dev/nvidia-caps-imex-channels/channelN for each requested channel; a missing one is refused."""
+    have = {n.name: n for n in inventory.extra_nodes}
+    out = []
+    for channel in channels:
+        node = have.get(f"{catalog.IMEX_DIR}/channel{channel}")
+        if node is None:
+            raise DiscoveryError(
+                f"NVIDIA_IMEX_CHANNELS asks for channel {channel}, but /dev/{catalog.IMEX_DIR}/channel{channel} "
+                "does not exist on this host; create it (its major is nvidia-caps-imex-channels in /proc/devices) "
+                "or request an existing channel"
+            )
+        out.append(_node(node))
+    return tuple(out)
+
+
+def _gated_devices(inventory: Inventory, gated: frozenset[str], skipped: list[Skipped]) -> tuple[DeviceNode, ...]:
+    """The nodes of each NVIDIA_<NAME>=enabled family that the host has (absent ones are skipped)."""
+    out: list[DeviceNode] = []
+    for name in sorted(gated):
+        found = [n for n in inventory.extra_nodes if n.name.startswith(catalog.GATED_NODES[name])]
+        if not found:
+            skipped.append(Skipped(what=f"NVIDIA_{name.upper()}", reason="no such devices on this host"))
+        out += [_node(n) for n in found]
+    return tuple(out)
 
 
 def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan:
@@ -64,12 +97,14 @@ def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan
     skipped = list(device_plan.skipped)
     devices = tuple(d for d in device_plan.devices if (d.major, d.minor) not in target.runtime_devices)
     libraries = _libraries(inventory, caps, target.libs_dir, skipped)
-    mounts = libraries + _binaries(inventory, caps, skipped) + _firmware(inventory, caps) + _ipc(inventory, caps)
+    mounts = (libraries + _binaries(inventory, caps, skipped) + _firmware(inventory, caps) + _ipc(inventory, caps)
+              + _configs(inventory, caps))
     mounted = {m.target for m in libraries}
     symlinks = tuple(
         Symlink(path=container_path(target.libs_dir, link), target=dest)
         for link, dest in _DEV_SYMLINKS
-        if any(t.startswith(container_path(target.libs_dir, link) + ".") for t in mounted)
+        # only when the library the link points at is injected (libGLX_nvidia.so.<version> for the GLX one)
+        if any(t.startswith(container_path(target.libs_dir, dest.split(".so")[0]) + ".so.") for t in mounted)
     )
     return Plan(
         gpus=tuple(g.uuid for g in gpus),
@@ -148,6 +183,16 @@ def _firmware(inventory: Inventory, caps: frozenset[Capability]) -> tuple[BindMo
         return ()
     return tuple(
         BindMount(source=str(f.host_path), target=container_path(f.name), noexec=True) for f in inventory.firmware
+    )
+
+
+def _configs(inventory: Inventory, caps: frozenset[Capability]) -> tuple[BindMount, ...]:
+    """Vulkan/EGL/OpenCL config files for the capabilities (display implies graphics)."""
+    wanted = catalog.library_capabilities(caps)
+    return tuple(
+        BindMount(source=str(f.host_path), target=container_path(f.name), noexec=True)
+        for f in inventory.configs
+        if catalog.CONFIG_FILES.get(f.name.lstrip("/")) in wanted
     )
 
 

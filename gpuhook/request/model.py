@@ -80,6 +80,10 @@ class GpuRequest:
     devices: tuple[DeviceId, ...]
     capabilities: frozenset[Capability]
     requirements: tuple[Requirement, ...] = ()
+    #: NVIDIA_IMEX_CHANNELS: channel ids for /dev/nvidia-caps-imex-channels/channelN
+    imex_channels: tuple[int, ...] = ()
+    #: NVIDIA_GDS / _MOFED / _NVSWITCH / _GDRCOPY set to "enabled" (lower-case names)
+    gated: frozenset[str] = frozenset()
     source: str = "NVIDIA_VISIBLE_DEVICES"
     #: the raw value the devices came from, for error messages
     raw: str = ""

@@ -45,6 +45,7 @@ DEVICE_LIST_DIR: Final = PurePosixPath(quick.DEVICE_LIST_DIR)
 
 _UUID: Final = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
 _INDEX_RE: Final = re.compile(r"[0-9]{1,4}")
+_CHANNEL_RE: Final = re.compile(r"[0-9]{1,7}")
 _GPU_UUID_RE: Final = re.compile(rf"GPU-{_UUID}")
 _MIG_UUID_RE: Final = re.compile(rf"MIG-{_UUID}|MIG-GPU-{_UUID}/[0-9]{{1,4}}/[0-9]{{1,4}}")
 _MIG_INDEX_RE: Final = re.compile(r"([0-9]{1,4}):([0-9]{1,4})")
@@ -75,9 +76,34 @@ def parse_request(
         devices=ids,
         capabilities=parse_capabilities(env.get(DRIVER_CAPABILITIES), legacy=legacy),
         requirements=parse_requirements(env, legacy=legacy),
+        imex_channels=_imex_channels(env) if spec.privileged or accept_envvar_when_unprivileged else (),
+        gated=frozenset(name for name in GATED if env.get(f"NVIDIA_{name.upper()}") == "enabled"),
         source=source,
         raw=raw,
     )
+
+
+#: The feature-gated device families (nvidia-toolkit.md §2.5); the value must be exactly "enabled".
+GATED: Final = ("gds", "mofed", "nvswitch", "gdrcopy")
+IMEX_CHANNELS: Final = "NVIDIA_IMEX_CHANNELS"
+_MAX_IMEX_CHANNEL: Final = 1 << 20
+
+
+def _imex_channels(env: Mapping[str, str]) -> tuple[int, ...]:
+    """NVIDIA_IMEX_CHANNELS: decimal channel ids below 2^20; "all" is ignored, as NVIDIA does."""
+    raw = env.get(IMEX_CHANNELS, "")
+    entries = [e.strip(_BLANKS) for e in raw.split(",") if e.strip(_BLANKS)]
+    if not entries or "all" in entries:
+        return ()
+    channels = []
+    for entry in entries:
+        if not _CHANNEL_RE.fullmatch(entry) or int(entry) >= _MAX_IMEX_CHANNEL:
+            raise RequestError(
+                f"{IMEX_CHANNELS}={raw!r}: {entry!r} is not a channel; expected comma-separated decimal ids "
+                f"below {_MAX_IMEX_CHANNEL}"
+            )
+        channels.append(int(entry))
+    return tuple(dict.fromkeys(channels))
 
 
 def _device_source(

@@ -156,3 +156,34 @@ def test_libs_dir_rule_and_container_paths() -> None:
 def _fields(inv: Inventory) -> dict[str, object]:
     """An inventory's fields, to copy with changes."""
     return {name: getattr(inv, name) for name in inv.__dataclass_fields__}
+
+
+def test_imex_channels_and_gated_devices() -> None:
+    """Requested IMEX channels and enabled gated families become exact nodes; a missing channel is refused."""
+    extra = (_dev("nvidia-caps-imex-channels/channel0", 509, 0), _dev("nvidia-caps-imex-channels/channel3", 509, 3),
+             _dev("nvidia-fs0", 507, 0), _dev("infiniband/uverbs0", 231, 192), _dev("gdrdrv", 506, 0))
+    inv = Inventory(**{**_fields(inventory()), "extra_nodes": extra})
+    request = GpuRequest(all_devices=False, devices=(GpuIndex(0),), capabilities=frozenset({Capability.COMPUTE}),
+                         imex_channels=(3,), gated=frozenset({"gds", "mofed", "nvswitch"}))
+    plan = make_plan(request, inv, TARGET)
+    paths = [d.path for d in plan.devices]
+    assert {"/dev/nvidia-caps-imex-channels/channel3", "/dev/nvidia-fs0", "/dev/infiniband/uverbs0"} <= set(paths)
+    assert "/dev/nvidia-caps-imex-channels/channel0" not in paths and "/dev/gdrdrv" not in paths
+    assert "c 509:3 rw" in {str(r) for r in plan.cgroup_rules}
+    assert "NVIDIA_NVSWITCH" in {s.what for s in plan.skipped}
+    with pytest.raises(DiscoveryError, match="channel 7"):
+        make_plan(GpuRequest(all_devices=False, devices=(), capabilities=frozenset(), imex_channels=(7,)), inv, TARGET)
+
+
+def test_graphics_configs_and_glx_link() -> None:
+    """graphics brings the Vulkan ICD/EGL vendor files and the libGLX_indirect link; compute the OpenCL ICD."""
+    configs = (DriverFile(name="/usr/share/vulkan/icd.d/nvidia_icd.json", host_path=Path("/h/icd")),
+               DriverFile(name="/etc/OpenCL/vendors/nvidia.icd", host_path=Path("/h/ocl")))
+    inv = Inventory(**{**_fields(inventory()), "configs": configs})
+    graphics = make_plan(req(GpuIndex(0), caps={Capability.GRAPHICS}), inv, TARGET)
+    assert "/usr/share/vulkan/icd.d/nvidia_icd.json" in {m.target for m in graphics.mounts}
+    assert "/etc/OpenCL/vendors/nvidia.icd" not in {m.target for m in graphics.mounts}
+    assert (f"{LIBS}/libGLX_indirect.so.0", "libGLX_nvidia.so.0") in {(s.path, s.target) for s in graphics.symlinks}
+    compute = make_plan(req(GpuIndex(0)), inv, TARGET)
+    assert "/etc/OpenCL/vendors/nvidia.icd" in {m.target for m in compute.mounts}
+    assert all("GLX" not in s.path for s in compute.symlinks)

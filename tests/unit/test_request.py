@@ -172,3 +172,19 @@ def test_fast_path_never_skips_a_request(env: dict[str, str], mounts: list[Mount
         req = "refused"  # type: ignore[assignment]
     if req is not None:
         assert asks_for_gpu(raw(env, tuple(mounts)))
+
+
+def test_imex_channels_and_gated_variables() -> None:
+    """NVIDIA_IMEX_CHANNELS (decimal, 'all' ignored) and exactly-'enabled' gated variables."""
+    req = request({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_IMEX_CHANNELS": "3, 0,3", "NVIDIA_GDS": "enabled",
+                   "NVIDIA_MOFED": "true"})
+    assert req is not None and req.imex_channels == (3, 0) and req.gated == {"gds"}
+    req = request({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_IMEX_CHANNELS": "all"})
+    assert req is not None and req.imex_channels == ()
+    with pytest.raises(RequestError, match="'-1' is not a channel"):
+        request({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_IMEX_CHANNELS": "-1"})
+    with pytest.raises(RequestError, match="below 1048576"):
+        request({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_IMEX_CHANNELS": "1048576"})
+    unprivileged = request({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_IMEX_CHANNELS": "1"},
+                           accept_envvar_when_unprivileged=False, privileged=True)
+    assert unprivileged is not None and unprivileged.imex_channels == (1,)
