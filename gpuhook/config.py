@@ -50,6 +50,8 @@ class Config:
     accept_volume_mounts: bool = False
     #: leave the device cgroup alone (rootless, or when the runtime already allows the devices)
     no_cgroups: bool = False
+    #: use the image's /usr/local/cuda/compat libraries when they are newer than the host driver
+    cuda_compat: bool = True
     #: the longest the privileged step (mounts, nodes, ldconfig) may take
     timeout_seconds: float = 30.0
 
@@ -57,7 +59,7 @@ class Config:
 _FIELDS: Final = {f.name: f for f in dataclasses.fields(Config)}
 _PATH_KEYS: Final = ("driver_root", "dev_root", "proc_root", "ldconfig")
 _OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir")  # null disables the feature
-_BOOL_KEYS: Final = ("accept_envvar_when_unprivileged", "accept_volume_mounts", "no_cgroups")
+_BOOL_KEYS: Final = ("accept_envvar_when_unprivileged", "accept_volume_mounts", "no_cgroups", "cuda_compat")
 
 
 def resolve_config_path(explicit: str | None, env: Mapping[str, str]) -> tuple[Path, bool]:

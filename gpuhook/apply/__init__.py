@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ from gpuhook.apply.children import wait_child
 from gpuhook.apply.ldconfig import open_ldconfig, run_ldconfig
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.errors import ApplyError
-from gpuhook.planning.plan import BindMount, Plan, ProcDriverMount
+from gpuhook.planning.plan import BindMount, CudaCompat, Plan, ProcDriverMount
 
 _NO_PROC_DRIVER = "the container's /proc has no driver/nvidia (the NVIDIA kernel module is not loaded on this host)"
 
@@ -158,9 +159,17 @@ def _apply_in_container(
             with _step("mount tmpfs", plan.proc_driver.target):
                 if not _mask_proc_driver(fs, plan.proc_driver, gpu_trees):
                     skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
-        if plan.ldconfig is not None and ldconfig_fd is not None:
+        dirs = plan.ldconfig.dirs if plan.ldconfig is not None else ()
+        if plan.cuda_compat is not None:
+            with _step("cuda compat", plan.cuda_compat.directory):
+                use, note = _cuda_compat(fs, plan.cuda_compat)
+            if use:
+                dirs = (plan.cuda_compat.directory, *dirs)
+            else:
+                skipped.append(note)
+        if dirs and ldconfig_fd is not None:
             # Half the budget: a hung ldconfig must fail inside this child, so rollback still runs.
-            run_ldconfig(ldconfig_fd, fs.root_fd, plan.ldconfig.dirs, timeout=timeout / 2)
+            run_ldconfig(ldconfig_fd, fs.root_fd, dirs, timeout=timeout / 2)
     except BaseException as err:
         leftovers = fs.rollback()
         if leftovers and isinstance(err, ApplyError):
@@ -190,6 +199,27 @@ def _open_rootfs(container: ContainerRef) -> int:
         raise ApplyError("open rootfs", str(container.rootfs),
                          detail="in the container's mount namespace this path is not the bundle's rootfs")
     return fd
+
+
+_COMPAT_LIB = re.compile(r"libcuda\.so\.([0-9]{1,4})\.[0-9.]{1,20}")
+COMPAT_CONF = "/etc/ld.so.conf.d/00-gpuhook-cuda-compat.conf"
+
+
+def _cuda_compat(fs: RootFs, compat: CudaCompat) -> tuple[bool, str]:
+    """Put the image's compat directory first if it holds a libcuda newer than the host's; (used, note)."""
+    fd = fs.try_open(compat.directory, os.O_RDONLY | os.O_DIRECTORY)
+    if fd is None:
+        return False, f"{compat.directory}: not in the image"
+    try:
+        names = os.listdir(fd)  # names only: nothing in the image is read or loaded
+    finally:
+        os.close(fd)
+    majors = [int(m[1]) for name in names if (m := _COMPAT_LIB.fullmatch(name))]
+    if not majors or max(majors) <= compat.host_major:
+        found = f"libcuda {max(majors)}.x" if majors else "no libcuda.so.<version>"
+        return False, f"{compat.directory}: {found}, not newer than the host driver {compat.host_major}.x"
+    fs.write_file(COMPAT_CONF, f"{compat.directory}\n".encode())
+    return True, ""
 
 
 def _host_tree(mount: BindMount) -> int:

@@ -158,6 +158,25 @@ class RootFs:
         finally:
             os.close(fd)
 
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Create (or replace) the regular file *path* with *data*; never writes through a symlink."""
+        parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        dir_fd = self.directory(parent)
+        try:
+            old = linux.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, linux.RESOLVE_NO_SYMLINKS)
+        except FileNotFoundError:
+            pass
+        else:
+            kind = os.fstat(old).st_mode
+            os.close(old)
+            if stat.S_ISDIR(kind):
+                raise ApplyError("write", path, detail="exists in the image and is a directory")
+            os.unlink(name, dir_fd=dir_fd)  # a file or a symlink: the link itself goes, never its target
+        fd = os.open(name, _NEW_FILE, mode, dir_fd=dir_fd)
+        self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=dir_fd))
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+
     def symlink(self, path: str, target: str) -> bool:
         """Create *path* → *target* unless something already exists there; True if created."""
         parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name

@@ -65,6 +65,7 @@ def make_target(spec: BundleSpec, config: Config) -> Target:
     return Target(
         libs_dir=libs_dir(debian_like=is_debian_like(spec.rootfs), machine=os.uname().machine),
         manage_cgroups=not config.no_cgroups,
+        cuda_compat=config.cuda_compat,
         runtime_devices=spec.runtime_devices,
     )
 

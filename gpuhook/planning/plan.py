@@ -68,6 +68,20 @@ class Ldconfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CudaCompat:
+    """Use the image's CUDA forward-compatibility libraries when they are newer than the host driver.
+
+    At apply time the image's *directory* is listed (names only; nothing in it is
+    read, loaded or mounted on the host side); if it holds a ``libcuda.so.<major>.*``
+    with a major above *host_major*, the directory goes first in the container's
+    linker configuration, as NVIDIA's ``cuda-compat-mode=ldconfig`` does.
+    """
+
+    directory: str
+    host_major: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Skipped:
     """Something the request could use that this host does not have."""
 
@@ -86,6 +100,7 @@ class Plan:
     proc_driver: ProcDriverMount | None
     cgroup_rules: tuple[CgroupRule, ...]
     ldconfig: Ldconfig | None
+    cuda_compat: CudaCompat | None = None
     skipped: tuple[Skipped, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:

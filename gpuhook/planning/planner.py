@@ -12,6 +12,7 @@ from gpuhook.planning.paths import BIN_DIR, container_path
 from gpuhook.planning.plan import (
     BindMount,
     CgroupRule,
+    CudaCompat,
     DeviceNode,
     Ldconfig,
     Plan,
@@ -24,6 +25,7 @@ from gpuhook.planning.select import select_gpus
 from gpuhook.request.model import Capability, GpuRequest
 
 #: Development symlinks NVIDIA adds (nvc_mount.c symlink_libraries); SONAME links come from ldconfig.
+CUDA_COMPAT_DIR = "/usr/local/cuda/compat"
 _DEV_SYMLINKS = (
     ("libcuda.so", "libcuda.so.1"),
     ("libnvidia-opticalflow.so", "libnvidia-opticalflow.so.1"),
@@ -38,6 +40,8 @@ class Target:
 
     libs_dir: str
     manage_cgroups: bool = True
+    #: look for the image's CUDA forward-compatibility libraries (config ``cuda_compat``)
+    cuda_compat: bool = True
     #: (major, minor) of nodes the runtime already creates and allows (spec-edit mode): left to it
     runtime_devices: frozenset[tuple[int, int]] = frozenset()
 
@@ -114,6 +118,7 @@ def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan
         proc_driver=_proc_driver(inventory.proc_driver, gpus, skipped),
         cgroup_rules=tuple(CgroupRule(major=d.major, minor=d.minor) for d in devices) if target.manage_cgroups else (),
         ldconfig=Ldconfig(dirs=(target.libs_dir,)) if libraries else None,
+        cuda_compat=_cuda_compat(inventory, caps, target),
         skipped=tuple(skipped),
     )
 
@@ -219,6 +224,14 @@ def _proc_driver(proc: ProcDriver | None, gpus: tuple[Gpu, ...], skipped: list[S
         else:
             gpu_dirs.append((str(proc.host_dir / "gpus" / name), name))
     return ProcDriverMount(target="/proc/driver/nvidia", files=files, gpu_dirs=tuple(gpu_dirs))
+
+
+def _cuda_compat(inventory: Inventory, caps: frozenset[Capability], target: Target) -> CudaCompat | None:
+    """Check /usr/local/cuda/compat when libcuda is injected (compute, or video which implies it)."""
+    if not target.cuda_compat or Capability.COMPUTE not in catalog.library_capabilities(caps):
+        return None
+    major = inventory.driver_version.split(".")[0]
+    return CudaCompat(directory=CUDA_COMPAT_DIR, host_major=int(major)) if major.isdigit() else None
 
 
 def _no_device_file_changes(params: str) -> str:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
 from integration.engines import host_mounts, tree_snapshot
 from integration.fakehost import FakeHost
 
@@ -44,3 +50,31 @@ def test_legacy_image_gets_all_gpus_and_capabilities(make_container: MakeContain
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == "4"
     assert "dlopen libnvidia-encode.so.1: OK" in result.stdout
+
+
+def _compat_libcuda(version: str) -> Callable[[Path], None]:
+    """An image preparation step: a real libcuda.so.<version> (SONAME libcuda.so.1) in /usr/local/cuda/compat."""
+    def prepare(rootfs: Path) -> None:
+        compat = rootfs / "usr/local/cuda/compat"
+        compat.mkdir(parents=True)
+        source = compat / "stub.c"
+        source.write_text("int cuda_compat_stub(void) { return 1; }\n")
+        subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
+                        str(compat / f"libcuda.so.{version}"), str(source)], check=True)
+        source.unlink()
+        (compat / "libcuda.so.1").symlink_to(f"libcuda.so.{version}")
+    return prepare
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    pytest.param("560.28.03", "/usr/local/cuda/compat/libcuda.so.1", id="newer-compat-wins"),
+    pytest.param("535.104.05", "/usr/lib/x86_64-linux-gnu/libcuda.so.1", id="older-compat-ignored"),
+])
+def test_cuda_forward_compatibility(make_container: MakeContainer, version: str, expected: str) -> None:
+    """libcuda.so.1 resolves to the image's compat copy only when it is newer than the host's 550 driver."""
+    container = make_container("dltest -p libcuda.so.1; cat /etc/ld.so.conf.d/00-gpuhook-cuda-compat.conf 2>&1; true",
+                               {"NVIDIA_VISIBLE_DEVICES": "0"}, prepare=_compat_libcuda(version))
+    result = container.run()
+    assert result.returncode == 0, result.stderr
+    assert f"dlopen libcuda.so.1: OK {expected}" in result.stdout
+    assert ("/usr/local/cuda/compat" in result.stdout.splitlines()[-1]) is expected.startswith("/usr/local")
