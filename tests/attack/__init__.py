@@ -23,8 +23,10 @@ Cases of the corpus that do not apply to a prestart hook or to this implementati
   image or annotations; every target is built by ``planning.paths.container_path``, which refuses
   ``..`` lexically (tests/unit/test_planner.py).
 * A11, A12, C28, D34, F44: not in the corpus (its numbering skips them).
-* A13 (container-controlled mount source, CVE-2024-0132/CVE-2025-23359): gpuhook has no such
-  feature (no CUDA forward-compat mounts); every mount source is a host driver file opened with
+* A13 (container-controlled mount source, CVE-2024-0132/CVE-2025-23359): gpuhook never mounts
+  from the image. CUDA forward compatibility only lists the file names in the image's
+  ``/usr/local/cuda/compat`` (resolved in the rootfs) and puts that directory first in the
+  container's own ld.so configuration; every mount source is a host driver file opened with
   ``open_tree`` in the host's namespace before the container is entered.
 * B19 (directory moved out of R under a held fd): from inside a container a directory can only
   be renamed within R (rename across mounts is EXDEV), and moving it outside R needs a host-side
