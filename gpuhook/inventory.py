@@ -34,6 +34,19 @@ class Gpu:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MigDevice:
+    """A MIG device: one compute instance of one GPU instance on a parent GPU."""
+
+    parent_index: int
+    #: position among the parent's MIG devices in NVML's enumeration (the M of "G:M")
+    index: int
+    uuid: str
+    gi: int
+    ci: int
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class HostDevice:
     """A character device node on the host (under the dev root)."""
 
@@ -79,6 +92,11 @@ class Inventory:
     #: IMEX channels and the feature-gated devices (GDS, MOFED, NVSwitch, GDRCopy); read fresh on each
     #: start that asks for them, never cached (they come and go with modules, independent of the driver)
     extra_nodes: tuple[HostDevice, ...] = ()
+    mig_devices: tuple[MigDevice, ...] = ()
+    #: /proc/driver/nvidia-caps/mig-minors for this host's GPUs: ("gpu0/gi7/access", 66), ("config", 1), ...
+    mig_minors: tuple[tuple[str, int], ...] = ()
+    #: /dev/nvidia-caps/nvidia-capN nodes (name "nvidia-caps/nvidia-capN")
+    caps_nodes: tuple[HostDevice, ...] = ()
 
     def gpu_node(self, minor: int) -> HostDevice | None:
         """The host's /dev/nvidia<minor>, if it exists."""
@@ -99,6 +117,10 @@ class Inventory:
             "firmware": [_file_dict(f) for f in self.firmware],
             "ipc": [_file_dict(f) for f in self.ipc],
             "configs": [_file_dict(f) for f in self.configs],
+            "mig_devices": [{"parent_index": m.parent_index, "index": m.index, "uuid": m.uuid, "gi": m.gi,
+                             "ci": m.ci, "name": m.name} for m in self.mig_devices],
+            "mig_minors": [[name, minor] for name, minor in self.mig_minors],
+            "caps_nodes": [_device_dict(n) for n in self.caps_nodes],
             "proc_driver": None if proc is None else {
                 "host_dir": str(proc.host_dir),
                 "files": [[name, text] for name, text in proc.files],
@@ -121,6 +143,9 @@ class Inventory:
             firmware=_items(data, "firmware", _file),
             ipc=_items(data, "ipc", _file),
             configs=_items(data, "configs", _file),
+            mig_devices=_items(data, "mig_devices", _mig),
+            mig_minors=_items(data, "mig_minors", _name_and_minor),
+            caps_nodes=_items(data, "caps_nodes", _device),
             proc_driver=None if proc is None else ProcDriver(
                 host_dir=_path(proc, "host_dir"),
                 files=_items(proc, "files", _name_and_text),
@@ -195,3 +220,17 @@ def _device(data: Any) -> HostDevice:
 def _file(data: Any) -> DriverFile:
     """A DriverFile entry."""
     return DriverFile(name=_get(data, "name", str), host_path=_path(data, "host_path"))
+
+
+def _mig(data: Any) -> MigDevice:
+    """A MigDevice entry."""
+    return MigDevice(parent_index=_get(data, "parent_index", int), index=_get(data, "index", int),
+                     uuid=_get(data, "uuid", str), gi=_get(data, "gi", int), ci=_get(data, "ci", int),
+                     name=_get(data, "name", str))
+
+
+def _name_and_minor(value: Any) -> tuple[str, int]:
+    """A [name, minor] pair."""
+    if not isinstance(value, list) or len(value) != 2 or not isinstance(value[1], int) or isinstance(value[1], bool):
+        raise ValueError("inventory: expected a [name, minor] pair")
+    return _str(value[0]), value[1]

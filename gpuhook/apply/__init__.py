@@ -17,6 +17,7 @@ an ``ApplyError`` naming the step and path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -138,8 +139,8 @@ def _apply_in_container(
     """Open host sources, enter the container, make every change; undo all on failure."""
     os.umask(0)
     trees = [_host_tree(m) for m in plan.mounts]
-    gpu_dirs = plan.proc_driver.gpu_dirs if plan.proc_driver else ()
-    gpu_trees = [_host_tree(BindMount(source=host_dir, target="")) for host_dir, _ in gpu_dirs]
+    proc_binds = (*plan.proc_driver.gpu_dirs, *plan.proc_driver.cap_files) if plan.proc_driver else ()
+    proc_trees = [_host_tree(BindMount(source=host_path, target="")) for host_path, _ in proc_binds]
     ldconfig_fd = open_ldconfig(ldconfig) if plan.ldconfig else None
     linux.setns(pidfd, linux.CLONE_NEWNS)
     fs = RootFs(_open_rootfs(container))
@@ -157,7 +158,7 @@ def _apply_in_container(
                     skipped.append(f"{link.path}: already exists in the image")
         if plan.proc_driver is not None:
             with _step("mount tmpfs", plan.proc_driver.target):
-                if not _mask_proc_driver(fs, plan.proc_driver, gpu_trees):
+                if not _mask_proc_driver(fs, plan.proc_driver, proc_trees):
                     skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
         dirs = plan.ldconfig.dirs if plan.ldconfig is not None else ()
         if plan.cuda_compat is not None:
@@ -234,12 +235,16 @@ def _host_tree(mount: BindMount) -> int:
     return fd
 
 
-def _mask_proc_driver(fs: RootFs, proc: ProcDriverMount, gpu_trees: list[int]) -> bool:
-    """Mount the filled, read-only tmpfs over /proc/driver/nvidia; False if there is no such dir."""
+def _mask_proc_driver(fs: RootFs, proc: ProcDriverMount, trees: list[int]) -> bool:
+    """Mount the filled, read-only tmpfs over /proc/driver/nvidia; False if there is no such dir.
+
+    *trees* are the detached host trees for ``proc.gpu_dirs`` then ``proc.cap_files``, in order.
+    """
     target = fs.try_open(proc.target, os.O_PATH | os.O_DIRECTORY)
     if target is None:
         return False
     attrs = linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV | linux.MOUNT_ATTR_NOEXEC
+    binds = [(f"gpus/{name}", True) for _, name in proc.gpu_dirs] + [(rel, False) for _, rel in proc.cap_files]
     try:
         tmp = linux.fsmount_tmpfs({"mode": "0555", "size": "1m"}, attrs)
         # Fill it while it is still detached: nothing in the container can see or race it.
@@ -248,13 +253,25 @@ def _mask_proc_driver(fs: RootFs, proc: ProcDriverMount, gpu_trees: list[int]) -
             with os.fdopen(fd, "w") as handle:
                 handle.write(text)
         os.mkdir("gpus", 0o555, dir_fd=tmp)
-        for _, name in proc.gpu_dirs:
-            os.mkdir(f"gpus/{name}", 0o555, dir_fd=tmp)
+        for rel, is_dir in binds:  # mount points for the host's per-GPU dirs and MIG capability files
+            _make_path(tmp, rel, is_dir)
         linux.mount_setattr(tmp, linux.MOUNT_ATTR_RDONLY | attrs, what=proc.target)
     except OSError as err:
         raise ApplyError("mount tmpfs", proc.target, errno_=err.errno) from err
     fs.attach(tmp, target, proc.target)
-    for (_, name), tree in zip(proc.gpu_dirs, gpu_trees, strict=True):
-        path = f"{proc.target}/gpus/{name}"
-        fs.attach(tree, fs.open(path, os.O_PATH | os.O_DIRECTORY), path)
+    for (rel, _), tree in zip(binds, trees, strict=True):
+        path = f"{proc.target}/{rel}"
+        fs.attach(tree, fs.open(path, os.O_PATH | os.O_NOFOLLOW), path)
     return True
+
+
+def _make_path(dir_fd: int, rel: str, is_dir: bool) -> None:
+    """Create *rel* (and its parents) under the detached tmpfs at *dir_fd*: a dir or an empty file."""
+    parts = rel.split("/")
+    for depth in range(1, len(parts)):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir("/".join(parts[:depth]), 0o555, dir_fd=dir_fd)
+    if is_dir:
+        os.mkdir(rel, 0o555, dir_fd=dir_fd)
+    else:
+        os.close(os.open(rel, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o444, dir_fd=dir_fd))

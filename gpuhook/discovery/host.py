@@ -12,7 +12,7 @@ from gpuhook import catalog
 from gpuhook.config import Config
 from gpuhook.discovery.hostroot import HostRoot
 from gpuhook.discovery.ldcache import LdCacheEntry, parse_ldcache
-from gpuhook.discovery.procdevices import parse_proc_devices
+from gpuhook.discovery.procdevices import parse_mig_minors, parse_proc_devices
 from gpuhook.errors import DiscoveryError
 from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, ProcDriver
 
@@ -50,6 +50,9 @@ class HostDiscoverer:
             driver_version=facts.driver_version,
             cuda_version=facts.cuda_version,
             gpus=facts.gpus,
+            mig_devices=facts.mig_devices,
+            mig_minors=_mig_minors(HostRoot(self.config.proc_root), facts.gpus),
+            caps_nodes=_caps_nodes(devices),
             gpu_nodes=tuple(n for g in facts.gpus if (n := _gpu_node(devices, g)) is not None),
             control_nodes=_control_nodes(devices, majors),
             libraries=_driver_libraries(libraries, facts.driver_version),
@@ -112,6 +115,21 @@ def _firmware(root: HostRoot, version: str) -> tuple[DriverFile, ...]:
         if name.startswith("gsp") and name.endswith(".bin") and found and stat.S_ISREG(found[1].st_mode):
             out.append(DriverFile(name=f"/{rel}/{name}", host_path=found[0]))
     return tuple(out)
+
+
+def _mig_minors(proc: HostRoot, gpus: tuple[Gpu, ...]) -> tuple[tuple[str, int], ...]:
+    """The capability minors of this host's GPUs (and of MIG config/monitor), if the driver lists them."""
+    data = proc.read_bytes("proc/driver/nvidia-caps/mig-minors")
+    if data is None:
+        return ()
+    ours = {f"gpu{g.minor}" for g in gpus} | {"config", "monitor"}
+    return tuple(e for e in parse_mig_minors(data.decode("ascii", "replace")) if e[0].split("/")[0] in ours)
+
+
+def _caps_nodes(root: HostRoot) -> tuple[HostDevice, ...]:
+    """/dev/nvidia-caps/nvidia-capN under the dev root."""
+    names = [f"nvidia-caps/{n}" for n in root.listdir("dev/nvidia-caps") if n.startswith("nvidia-cap")]
+    return tuple(node for name in names if (node := _char_device(root, name)) is not None)
 
 
 def _regular(root: HostRoot, rel: str) -> DriverFile | None:

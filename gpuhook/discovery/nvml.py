@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pynvml
 
 from gpuhook.errors import DiscoveryError
-from gpuhook.inventory import Gpu
+from gpuhook.inventory import Gpu, MigDevice
 
 T = TypeVar("T")
 
@@ -29,6 +29,7 @@ class NvmlFacts:
     driver_version: str
     cuda_version: str
     gpus: tuple[Gpu, ...]
+    mig_devices: tuple[MigDevice, ...] = ()
 
 
 def _call(fn: Callable[..., T], *args: Any) -> T:
@@ -73,8 +74,10 @@ def read_nvml(library: Path) -> NvmlFacts:
         cuda = _call(pynvml.nvmlSystemGetCudaDriverVersion)
         brands = _brand_names()
         gpus = []
+        migs: list[MigDevice] = []
         for index in range(_call(pynvml.nvmlDeviceGetCount)):
             handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
+            migs += _mig_devices(index, handle)
             major, minor = _call(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
             gpus.append(Gpu(
                 index=index,
@@ -90,4 +93,33 @@ def read_nvml(library: Path) -> NvmlFacts:
             # nvmlSystemGetCudaDriverVersion encodes 12.4 as 12040.
             cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}",
             gpus=tuple(gpus),
+            mig_devices=tuple(migs),
         )
+
+
+def _mig_devices(parent_index: int, handle: Any) -> list[MigDevice]:
+    """The MIG devices of one GPU, in NVML's enumeration order (none when MIG is off or unsupported)."""
+    try:
+        current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+    except pynvml.NVMLError_NotSupported:
+        return []
+    except pynvml.NVMLError as err:
+        raise DiscoveryError(f"NVML nvmlDeviceGetMigMode failed for GPU {parent_index}: {err}") from err
+    if current != pynvml.NVML_DEVICE_MIG_ENABLE:
+        return []
+    found: list[MigDevice] = []
+    for slot in range(_call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
+        try:
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+        except pynvml.NVMLError_NotFound:
+            continue  # an empty slot
+        except pynvml.NVMLError as err:
+            raise DiscoveryError(
+                f"NVML nvmlDeviceGetMigDeviceHandleByIndex failed for GPU {parent_index}: {err}"
+            ) from err
+        found.append(MigDevice(
+            parent_index=parent_index, index=len(found), uuid=_text(_call(pynvml.nvmlDeviceGetUUID, mig)),
+            gi=_call(pynvml.nvmlDeviceGetGpuInstanceId, mig), ci=_call(pynvml.nvmlDeviceGetComputeInstanceId, mig),
+            name=_text(_call(pynvml.nvmlDeviceGetName, mig)),
+        ))
+    return found

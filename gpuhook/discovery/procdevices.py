@@ -1,4 +1,4 @@
-"""Decode /proc/devices: character-device majors by driver name."""
+"""Decode /proc/devices (character-device majors) and /proc/driver/nvidia-caps/mig-minors."""
 
 from __future__ import annotations
 
@@ -23,3 +23,16 @@ def parse_proc_devices(text: str) -> Mapping[str, int]:
             raise DiscoveryError(f"/proc/devices: unexpected line {line!r}")
         majors.setdefault(name.strip(), int(number))
     return majors
+
+
+def parse_mig_minors(text: str) -> tuple[tuple[str, int], ...]:
+    """``mig-minors`` lines (``gpu0/gi7/access 66``, ``config 1``) as (name, minor) pairs."""
+    out = []
+    for line in text.splitlines():
+        name, _, number = line.strip().partition(" ")
+        if not name:
+            continue
+        if not number.isascii() or not number.isdigit():
+            raise DiscoveryError(f"mig-minors: unexpected line {line!r}")
+        out.append((name, int(number)))
+    return tuple(out)

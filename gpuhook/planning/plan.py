@@ -46,6 +46,8 @@ class ProcDriverMount:
     target: str
     files: tuple[tuple[str, str], ...]
     gpu_dirs: tuple[tuple[str, str], ...]  # (host dir, name under gpus/)
+    #: MIG capability files: (host file, path under /proc/driver/nvidia), e.g. capabilities/gpu0/mig/gi7/access
+    cap_files: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

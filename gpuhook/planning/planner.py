@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass
 
 from gpuhook import catalog
-from gpuhook.errors import DiscoveryError
-from gpuhook.inventory import Gpu, HostDevice, Inventory, ProcDriver
+from gpuhook.errors import DiscoveryError, RequestError
+from gpuhook.inventory import Gpu, HostDevice, Inventory, MigDevice
 from gpuhook.planning.paths import BIN_DIR, container_path
 from gpuhook.planning.plan import (
     BindMount,
@@ -21,7 +21,7 @@ from gpuhook.planning.plan import (
     Symlink,
 )
 from gpuhook.planning.requirements import check_requirements
-from gpuhook.planning.select import select_gpus
+from gpuhook.planning.select import Selection, select_devices
 from gpuhook.request.model import Capability, GpuRequest
 
 #: Development symlinks NVIDIA adds (nvc_mount.c symlink_libraries); SONAME links come from ldconfig.
@@ -48,22 +48,75 @@ class Target:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DevicePlan:
-    """The selected GPUs and every device node they need."""
+    """The selected GPUs (and MIG parents), MIG devices, and every device node they need."""
 
     gpus: tuple[Gpu, ...]
+    migs: tuple[MigDevice, ...]
     devices: tuple[DeviceNode, ...]
     skipped: tuple[Skipped, ...]
 
 
 def plan_devices(request: GpuRequest, inventory: Inventory) -> DevicePlan:
     """Select the GPUs, check the image's requirements, list the nodes; raises RequestError/DiscoveryError."""
-    gpus = select_gpus(request, inventory.gpus)
+    selection = select_devices(request, inventory)
+    gpus = selection.parents(inventory)
     check_requirements(request.requirements, inventory, gpus)
     skipped: list[Skipped] = []
     control = _control_devices(inventory, request.capabilities, skipped)
+    mig = tuple(_mig_caps(inventory, selection.migs)) + _mig_control_caps(request, inventory, selection, gpus)
     extra = _imex_devices(inventory, request.imex_channels) + _gated_devices(inventory, request.gated, skipped)
-    return DevicePlan(gpus=gpus, devices=control + tuple(_gpu_device(inventory, g) for g in gpus) + extra,
+    return DevicePlan(gpus=gpus, migs=selection.migs,
+                      devices=control + tuple(_gpu_device(inventory, g) for g in gpus) + mig + extra,
                       skipped=tuple(skipped))
+
+
+def _mig_caps(inventory: Inventory, migs: tuple[MigDevice, ...]) -> list[DeviceNode]:
+    """The GPU-instance and compute-instance ``access`` capability nodes of each MIG device."""
+    minors = dict(inventory.mig_minors)
+    nodes = {n.minor: n for n in inventory.caps_nodes}
+    out: list[DeviceNode] = []
+    for mig in migs:
+        parent = inventory.gpus[mig.parent_index]
+        for cap in mig_cap_names(parent, mig):
+            minor = minors.get(cap)
+            node = nodes.get(minor) if minor is not None else None
+            if node is None:
+                raise DiscoveryError(
+                    f"MIG device {mig.uuid} needs the capability {cap} (minor {minor}), but "
+                    f"/dev/nvidia-caps/nvidia-cap{minor} is missing under the dev root; create it with "
+                    f"`nvidia-modprobe -f /proc/driver/nvidia/capabilities/{cap}`"
+                )
+            out.append(_node(node))
+    return out
+
+
+def _mig_control_caps(
+    request: GpuRequest, inventory: Inventory, selection: Selection, gpus: tuple[Gpu, ...]
+) -> tuple[DeviceNode, ...]:
+    """NVIDIA_MIG_CONFIG/MONITOR_DEVICES=all: the config/monitor cap and every instance cap of the GPUs."""
+    wanted = [name for name, on in (("config", request.mig_config), ("monitor", request.mig_monitor)) if on]
+    if not wanted:
+        return ()
+    if selection.migs and not request.all_devices:
+        raise RequestError("NVIDIA_MIG_CONFIG_DEVICES/NVIDIA_MIG_MONITOR_DEVICES need whole GPUs, not MIG devices")
+    prefixes = tuple(f"gpu{g.minor}/" for g in gpus)
+    minors = {minor for name, minor in inventory.mig_minors if name in wanted or name.startswith(prefixes)}
+    missing = [name for name in wanted if name not in dict(inventory.mig_minors)]
+    if missing:
+        raise DiscoveryError(f"the driver lists no MIG {', '.join(missing)} capability (is MIG supported?)")
+    return tuple(_node(n) for n in inventory.caps_nodes if n.minor in minors)
+
+
+def _cap_proc_file(cap: str) -> str:
+    """mig-minors says ``gpu0/gi7/access``; the driver's file is ``capabilities/gpu0/mig/gi7/access``."""
+    gpu, _, rest = cap.partition("/")
+    return f"capabilities/{gpu}/mig/{rest}"
+
+
+def mig_cap_names(parent: Gpu, mig: MigDevice) -> tuple[str, str]:
+    """The mig-minors names of a MIG device's GI and CI access capabilities."""
+    gi = f"gpu{parent.minor}/gi{mig.gi}/access"
+    return gi, f"gpu{parent.minor}/gi{mig.gi}/ci{mig.ci}/access"
 
 
 def _imex_devices(inventory: Inventory, channels: tuple[int, ...]) -> tuple[DeviceNode, ...]:
@@ -111,11 +164,11 @@ def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan
         if any(t.startswith(container_path(target.libs_dir, dest.split(".so")[0]) + ".so.") for t in mounted)
     )
     return Plan(
-        gpus=tuple(g.uuid for g in gpus),
+        gpus=tuple(g.uuid for g in gpus) + tuple(m.uuid for m in device_plan.migs),
         devices=devices,
         mounts=mounts,
         symlinks=symlinks,
-        proc_driver=_proc_driver(inventory.proc_driver, gpus, skipped),
+        proc_driver=_proc_driver(inventory, device_plan, skipped),
         cgroup_rules=tuple(CgroupRule(major=d.major, minor=d.minor) for d in devices) if target.manage_cgroups else (),
         ldconfig=Ldconfig(dirs=(target.libs_dir,)) if libraries else None,
         cuda_compat=_cuda_compat(inventory, caps, target),
@@ -210,8 +263,9 @@ def _ipc(inventory: Inventory, caps: frozenset[Capability]) -> tuple[BindMount, 
     )
 
 
-def _proc_driver(proc: ProcDriver | None, gpus: tuple[Gpu, ...], skipped: list[Skipped]) -> ProcDriverMount | None:
-    """The masked /proc/driver/nvidia, with the selected GPUs' directories."""
+def _proc_driver(inventory: Inventory, device_plan: DevicePlan, skipped: list[Skipped]) -> ProcDriverMount | None:
+    """The masked /proc/driver/nvidia, with the selected GPUs' directories and MIG capability files."""
+    proc, gpus = inventory.proc_driver, device_plan.gpus
     if proc is None:
         skipped.append(Skipped(what="/proc/driver/nvidia", reason="the host has no /proc/driver/nvidia"))
         return None
@@ -223,7 +277,9 @@ def _proc_driver(proc: ProcDriver | None, gpus: tuple[Gpu, ...], skipped: list[S
             skipped.append(Skipped(what=f"/proc/driver/nvidia/gpus for {gpu.uuid}", reason="not on the host"))
         else:
             gpu_dirs.append((str(proc.host_dir / "gpus" / name), name))
-    return ProcDriverMount(target="/proc/driver/nvidia", files=files, gpu_dirs=tuple(gpu_dirs))
+    caps = [cap for mig in device_plan.migs for cap in mig_cap_names(inventory.gpus[mig.parent_index], mig)]
+    cap_files = tuple((str(proc.host_dir / _cap_proc_file(cap)), _cap_proc_file(cap)) for cap in caps)
+    return ProcDriverMount(target="/proc/driver/nvidia", files=files, gpu_dirs=tuple(gpu_dirs), cap_files=cap_files)
 
 
 def _cuda_compat(inventory: Inventory, caps: frozenset[Capability], target: Target) -> CudaCompat | None:

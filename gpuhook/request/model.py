@@ -84,6 +84,9 @@ class GpuRequest:
     imex_channels: tuple[int, ...] = ()
     #: NVIDIA_GDS / _MOFED / _NVSWITCH / _GDRCOPY set to "enabled" (lower-case names)
     gated: frozenset[str] = frozenset()
+    #: NVIDIA_MIG_CONFIG_DEVICES=all / NVIDIA_MIG_MONITOR_DEVICES=all (privileged containers only)
+    mig_config: bool = False
+    mig_monitor: bool = False
     source: str = "NVIDIA_VISIBLE_DEVICES"
     #: the raw value the devices came from, for error messages
     raw: str = ""

@@ -78,6 +78,8 @@ def parse_request(
         requirements=parse_requirements(env, legacy=legacy),
         imex_channels=_imex_channels(env) if spec.privileged or accept_envvar_when_unprivileged else (),
         gated=frozenset(name for name in GATED if env.get(f"NVIDIA_{name.upper()}") == "enabled"),
+        mig_config=_mig_control(env, MIG_CONFIG, privileged=spec.privileged),
+        mig_monitor=_mig_control(env, MIG_MONITOR, privileged=spec.privileged),
         source=source,
         raw=raw,
     )
@@ -87,6 +89,25 @@ def parse_request(
 GATED: Final = ("gds", "mofed", "nvswitch", "gdrcopy")
 IMEX_CHANNELS: Final = "NVIDIA_IMEX_CHANNELS"
 _MAX_IMEX_CHANNEL: Final = 1 << 20
+
+
+MIG_CONFIG: Final = "NVIDIA_MIG_CONFIG_DEVICES"
+MIG_MONITOR: Final = "NVIDIA_MIG_MONITOR_DEVICES"
+
+
+def _mig_control(env: Mapping[str, str], name: str, *, privileged: bool) -> bool:
+    """NVIDIA_MIG_CONFIG_DEVICES / _MONITOR_: only 'all', only in privileged containers (as NVIDIA)."""
+    value = env.get(name, "").strip(_BLANKS)
+    if not value:
+        return False
+    if not privileged:
+        raise RequestError(
+            f"{name}={value!r} in an unprivileged container: it grants control of every MIG instance of the GPUs; "
+            "run the container privileged (CAP_SYS_ADMIN) or unset it"
+        )
+    if value != "all":
+        raise RequestError(f"{name}={value!r}: only 'all' is supported")
+    return True
 
 
 def _imex_channels(env: Mapping[str, str]) -> tuple[int, ...]:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from gpuhook.errors import DiscoveryError, UnknownDeviceError
-from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, ProcDriver
+from gpuhook.errors import DiscoveryError, RequestError, UnknownDeviceError
+from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, MigDevice, ProcDriver
 from gpuhook.planning.paths import container_path, libs_dir
 from gpuhook.planning.planner import Target, make_plan
-from gpuhook.request.model import ALL_CAPABILITIES, Capability, GpuIndex, GpuRequest, GpuUuid, MigIndex
+from gpuhook.request.model import ALL_CAPABILITIES, Capability, GpuIndex, GpuRequest, GpuUuid, MigIndex, MigUuid
 
 VER = "550.54.15"
 LIBS = "/usr/lib/x86_64-linux-gnu"
@@ -115,7 +115,7 @@ def test_unknown_index_names_it_and_lists_what_exists() -> None:
 
 def test_mig_on_a_host_without_mig() -> None:
     """A MIG index is refused with a clear reason when the host has no MIG devices."""
-    with pytest.raises(UnknownDeviceError, match="no MIG device 0:1"):
+    with pytest.raises(UnknownDeviceError, match="no MIG device 0:1 .*MIG devices: none"):
         make_plan(req(MigIndex(0, 1)), inventory(), TARGET)
 
 
@@ -187,3 +187,47 @@ def test_graphics_configs_and_glx_link() -> None:
     compute = make_plan(req(GpuIndex(0)), inv, TARGET)
     assert "/etc/OpenCL/vendors/nvidia.icd" in {m.target for m in compute.mounts}
     assert all("GLX" not in s.path for s in compute.symlinks)
+
+
+def _mig_inventory() -> Inventory:
+    """GPU 0 split into two 1g MIG devices (GI 7 and 8, CI 0 each), caps nodes for them and config/monitor."""
+    migs = (MigDevice(parent_index=0, index=0, uuid="MIG-aaaaaaaa-0000-0000-0000-000000000000", gi=7, ci=0),
+            MigDevice(parent_index=0, index=1, uuid="MIG-bbbbbbbb-0000-0000-0000-000000000000", gi=8, ci=0))
+    minors = (("config", 1), ("monitor", 2), ("gpu0/gi7/access", 66), ("gpu0/gi7/ci0/access", 67),
+              ("gpu0/gi8/access", 75), ("gpu0/gi8/ci0/access", 76))
+    caps = tuple(_dev(f"nvidia-caps/nvidia-cap{m}", 510, m) for m in (1, 2, 66, 67, 75, 76))
+    return Inventory(**{**_fields(inventory()), "mig_devices": migs, "mig_minors": minors, "caps_nodes": caps})
+
+
+def test_mig_index_selects_parent_and_exactly_its_caps() -> None:
+    """0:1 gives /dev/nvidia0 and the GI/CI access caps of that MIG device only, with exact rules."""
+    plan = make_plan(req(MigIndex(0, 1)), _mig_inventory(), TARGET)
+    paths = {d.path for d in plan.devices}
+    assert {"/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap75", "/dev/nvidia-caps/nvidia-cap76"} <= paths
+    assert not {"/dev/nvidia-caps/nvidia-cap66", "/dev/nvidia-caps/nvidia-cap67", "/dev/nvidia1"} & paths
+    assert {"c 510:75 rw", "c 510:76 rw"} <= {str(r) for r in plan.cgroup_rules}
+    assert plan.gpus[-1] == "MIG-bbbbbbbb-0000-0000-0000-000000000000"
+    assert plan.proc_driver is not None and [rel for _, rel in plan.proc_driver.cap_files] == [
+        "capabilities/gpu0/mig/gi8/access", "capabilities/gpu0/mig/gi8/ci0/access"]
+
+
+def test_mig_uuid_forms_and_unknown_mig() -> None:
+    """A MIG UUID and the legacy MIG-GPU-<uuid>/gi/ci form select; 0:5 is refused, listing what exists."""
+    inv = _mig_inventory()
+    by_uuid = make_plan(req(MigUuid("MIG-AAAAAAAA-0000-0000-0000-000000000000")), inv, TARGET)
+    assert "/dev/nvidia-caps/nvidia-cap66" in {d.path for d in by_uuid.devices}
+    legacy = make_plan(req(MigUuid(f"MIG-{_gpu(0).uuid}/8/0")), inv, TARGET)
+    assert "/dev/nvidia-caps/nvidia-cap76" in {d.path for d in legacy.devices}
+    with pytest.raises(UnknownDeviceError, match=r"no MIG device 0:5 .*MIG devices: 0:0 \(MIG-aaaaaaaa"):
+        make_plan(req(MigIndex(0, 5)), inv, TARGET)
+
+
+def test_mig_config_is_for_whole_gpus() -> None:
+    """NVIDIA_MIG_CONFIG_DEVICES=all adds the config cap and the instance caps of the selected GPU."""
+    request = GpuRequest(all_devices=False, devices=(GpuIndex(0),), capabilities=frozenset(), mig_config=True)
+    plan = make_plan(request, _mig_inventory(), TARGET)
+    assert {f"/dev/nvidia-caps/nvidia-cap{m}" for m in (1, 66, 67, 75, 76)} <= {d.path for d in plan.devices}
+    assert "/dev/nvidia-caps/nvidia-cap2" not in {d.path for d in plan.devices}
+    with pytest.raises(RequestError, match="need whole GPUs"):
+        make_plan(GpuRequest(all_devices=False, devices=(MigIndex(0, 0),), capabilities=frozenset(), mig_config=True),
+                  _mig_inventory(), TARGET)

@@ -188,3 +188,14 @@ def test_imex_channels_and_gated_variables() -> None:
     unprivileged = request({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_IMEX_CHANNELS": "1"},
                            accept_envvar_when_unprivileged=False, privileged=True)
     assert unprivileged is not None and unprivileged.imex_channels == (1,)
+
+
+def test_mig_control_variables_need_privilege() -> None:
+    """NVIDIA_MIG_CONFIG_DEVICES: refused unprivileged (NVIDIA's rule), only 'all' accepted."""
+    env = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_MIG_CONFIG_DEVICES": "all"}
+    with pytest.raises(RequestError, match="unprivileged container"):
+        request(env)
+    req = request(env, privileged=True)
+    assert req is not None and req.mig_config and not req.mig_monitor
+    with pytest.raises(RequestError, match="only 'all'"):
+        request({**env, "NVIDIA_MIG_CONFIG_DEVICES": "0"}, privileged=True)
