@@ -4,7 +4,17 @@ gpuhook reaches it through its ordinary settings: driver_root, dev_root and
 proc_root all point at the host's directory (see FakeHost.config_path).
 """
 
-from .builder import DEFAULT_CUDA, DEFAULT_DRIVER, DEFAULT_MODEL, FakeHost, FakeHostError, create_host
+from .builder import (
+    DEFAULT_CUDA,
+    DEFAULT_DRIVER,
+    DEFAULT_MODEL,
+    GATED_NODES,
+    GRAPHICS_FILES,
+    FakeHost,
+    FakeHostError,
+    create_host,
+)
+from .mig import MIG_PROFILES, FakeMigDevice
 from .models import KNOWN_MODELS, FakeGpu
 from .native import DRIVER_LIBRARIES, BuildError, DriverLibrary
 
@@ -13,11 +23,15 @@ __all__ = [
     "DEFAULT_DRIVER",
     "DEFAULT_MODEL",
     "DRIVER_LIBRARIES",
+    "GATED_NODES",
+    "GRAPHICS_FILES",
     "KNOWN_MODELS",
+    "MIG_PROFILES",
     "BuildError",
     "DriverLibrary",
     "FakeGpu",
     "FakeHost",
     "FakeHostError",
+    "FakeMigDevice",
     "create_host",
 ]

@@ -1,4 +1,4 @@
-"""CLI: python3 -m integration.fakehost create DIR --gpus N [options]."""
+"""CLI: python3 -m integration.fakehost create DIR --gpus N [--mig GPU:PROFILE[,PROFILE...]]... [options]."""
 
 from __future__ import annotations
 
@@ -43,9 +43,22 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--cuda", default=DEFAULT_CUDA, metavar="VERSION")
     create.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME")
     create.add_argument(
-        "--mig", type=parse_mig, action="append", default=[], metavar="GPU:PROFILE[,PROFILE...]"
+        "--mig",
+        type=parse_mig,
+        action="append",
+        default=[],
+        metavar="GPU:PROFILE[,PROFILE...]",
+        help="put GPU in MIG mode with one GPU instance per PROFILE (e.g. 0:1g.10gb,3g.40gb); repeatable",
     )
     return parser
+
+
+def _layouts(requests: Sequence[MigRequest]) -> dict[int, tuple[str, ...]]:
+    """The --mig requests by GPU; a GPU named twice gets both lists, in order."""
+    layouts: dict[int, tuple[str, ...]] = {}
+    for request in requests:
+        layouts[request.gpu] = layouts.get(request.gpu, ()) + request.profiles
+    return layouts
 
 
 def _summary(host: FakeHost) -> str:
@@ -54,7 +67,14 @@ def _summary(host: FakeHost) -> str:
         f"simulated GPU host: {host.root}",
         f"driver {host.driver_version}, CUDA {host.cuda_version}, {len(host.gpus)} x {host.model}",
     ]
-    lines += [f"  GPU {gpu.index}: {gpu.uuid} minor {gpu.minor} bus {gpu.pci_bus_id}" for gpu in host.gpus]
+    for gpu in host.gpus:
+        lines.append(f"  GPU {gpu.index}: {gpu.uuid} minor {gpu.minor} bus {gpu.pci_bus_id}")
+        lines += [
+            f"    MIG {mig.index}: {mig.profile} {mig.uuid} gi {mig.gi} ci {mig.ci}"
+            f" caps nvidia-cap{mig.gi_cap_minor},nvidia-cap{mig.ci_cap_minor}"
+            for mig in host.mig_devices
+            if mig.parent_index == gpu.index
+        ]
     lines.append(f"gpuhook config: {host.config_path}")
     return "\n".join(lines)
 
@@ -62,12 +82,15 @@ def _summary(host: FakeHost) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit status."""
     args = _parser().parse_args(argv)
-    if args.mig:
-        # Refuse rather than build a host that silently lacks the MIG devices.
-        print("fakehost: error: MIG simulation is not implemented yet", file=sys.stderr)
-        return 2
     try:
-        host = create_host(args.dir, gpus=args.gpus, driver=args.driver, cuda=args.cuda, model=args.model)
+        host = create_host(
+            args.dir,
+            gpus=args.gpus,
+            driver=args.driver,
+            cuda=args.cuda,
+            model=args.model,
+            mig=_layouts(args.mig) or None,
+        )
     except (FakeHostError, BuildError) as error:
         print(f"fakehost: error: {error}", file=sys.stderr)
         return 1

@@ -6,10 +6,13 @@ import os
 import shutil
 import socket
 import stat
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from . import mig as migs
 from . import native, texts
+from .mig import FakeMigDevice
 from .models import (
     FakeGpu,
     encode_cuda_version,
@@ -29,6 +32,30 @@ _FIRMWARE = ("gsp_ga10x.bin", "gsp_tu10x.bin")
 # sun_path holds 108 bytes; longer socket paths are bound via /proc/self/fd.
 _SUN_PATH_MAX = 107
 
+IMEX_CHANNELS = (0, 1, 2, 3)
+# Nodes of the other drivers a DGX-class host loads (NVSwitch, GPUDirect
+# Storage, GDRCopy, RDMA), which gpuhook hands out only on request:
+# (path relative to dev, major, minor).
+GATED_NODES: tuple[tuple[str, int, int], ...] = (
+    ("nvidia-nvswitchctl", texts.NVSWITCH_MAJOR, 255),
+    ("nvidia-nvswitch0", texts.NVSWITCH_MAJOR, 0),
+    ("nvidia-nvswitch1", texts.NVSWITCH_MAJOR, 1),
+    ("nvidia-fs0", texts.NVIDIA_FS_MAJOR, 0),
+    ("nvidia-fs1", texts.NVIDIA_FS_MAJOR, 1),
+    ("gdrdrv", texts.GDRDRV_MAJOR, 0),
+    ("infiniband/uverbs0", texts.INFINIBAND_MAJOR, 192),
+    ("infiniband/rdma_cm", texts.MISC_MAJOR, 58),
+)
+# The loader manifests and data files the driver installs for graphics,
+# relative to root.
+GRAPHICS_FILES = (
+    "usr/share/vulkan/icd.d/nvidia_icd.json",
+    "usr/share/glvnd/egl_vendor.d/10_nvidia.json",
+    "usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json",
+    "etc/OpenCL/vendors/nvidia.icd",
+    "usr/share/nvidia/nvoptix.bin",
+)
+
 
 class FakeHostError(Exception):
     """The simulated host cannot be built as asked."""
@@ -47,6 +74,29 @@ class FakeHost:
     uvm_major: int
     caps_major: int
     nvidia_major: int
+    # MIG devices in GPU order, then creation order (empty without MIG).
+    mig_devices: tuple[FakeMigDevice, ...] = ()
+    imex_major: int = texts.IMEX_MAJOR
+    imex_channels: tuple[int, ...] = IMEX_CHANNELS
+    gated_nodes: tuple[tuple[str, int, int], ...] = GATED_NODES
+    nvswitch_major: int = texts.NVSWITCH_MAJOR
+    nvidia_fs_major: int = texts.NVIDIA_FS_MAJOR
+    gdrdrv_major: int = texts.GDRDRV_MAJOR
+
+    @property
+    def mig_enabled(self) -> bool:
+        """Whether any GPU is in MIG mode (and so the MIG caps exist)."""
+        return any(gpu.mig_enabled for gpu in self.gpus)
+
+    @property
+    def mig_minors_path(self) -> Path:
+        """/proc/driver/nvidia-caps/mig-minors (present on a MIG host)."""
+        return self.root / "proc" / "driver" / "nvidia-caps" / "mig-minors"
+
+    @property
+    def capabilities_dir(self) -> Path:
+        """/proc/driver/nvidia/capabilities."""
+        return self.root / "proc" / "driver" / "nvidia" / "capabilities"
 
     @property
     def cuda_driver_version(self) -> int:
@@ -94,11 +144,12 @@ def _write(path: Path, content: str | bytes, mode: int = 0o644) -> None:
     path.chmod(mode)
 
 
-def _mknod(path: Path, major: int, minor: int) -> None:
-    """Creates a 0666 character device node, as the NVIDIA driver does."""
+def _mknod(path: Path, major: int, minor: int, mode: int = 0o666) -> None:
+    """Creates a character device node, 0666 unless told, as the NVIDIA driver does."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(major, minor))
-    path.chmod(0o666)
+    path.parent.chmod(0o755)  # /dev and its subdirectories, umask notwithstanding
+    os.mknod(path, stat.S_IFCHR | mode, os.makedev(major, minor))
+    path.chmod(mode)
 
 
 def _make_socket(path: Path) -> None:
@@ -146,14 +197,15 @@ def _discard(root: Path, existed: bool) -> None:
 def _write_driver_files(host: FakeHost) -> None:
     """Tools, firmware and the mock NVML's topology and call log."""
     root, driver = host.root, host.driver_version
-    _write(root / "usr/bin/nvidia-smi", texts.nvidia_smi_script(driver, host.cuda_version, host.gpus), 0o755)
+    smi = texts.nvidia_smi_script(driver, host.cuda_version, host.gpus, host.mig_devices)
+    _write(root / "usr/bin/nvidia-smi", smi, 0o755)
     for tool in _TOOLS:
         _write(root / "usr/bin" / tool, texts.tool_script(tool, driver), 0o755)
     for firmware in _FIRMWARE:
         _write(
             root / "lib/firmware/nvidia" / driver / firmware, f"simulated GSP firmware {firmware} {driver}\n"
         )
-    _write(host.topology_path, render_topology(driver, host.cuda_version, host.gpus))
+    _write(host.topology_path, render_topology(driver, host.cuda_version, host.gpus, host.mig_devices))
     # World-writable so that unprivileged processes under test can log too.
     _write(host.calls_log_path, "", 0o666)
 
@@ -167,6 +219,19 @@ def _write_devices(host: FakeHost) -> None:
     _mknod(dev / "nvidia-modeset", host.nvidia_major, texts.MODESET_MINOR)
     _mknod(dev / "nvidia-uvm", host.uvm_major, 0)
     _mknod(dev / "nvidia-uvm-tools", host.uvm_major, 1)
+    for channel in host.imex_channels:
+        _mknod(dev / "nvidia-caps-imex-channels" / f"channel{channel}", host.imex_major, channel)
+    for name, major, minor in host.gated_nodes:
+        _mknod(dev / name, major, minor)
+    if host.mig_enabled:
+        # What nvidia-modprobe -f makes from the capability files: their
+        # DeviceFileMode is the node's mode.
+        caps = dev / "nvidia-caps"
+        _mknod(caps / f"nvidia-cap{migs.CONFIG_MINOR}", host.caps_major, migs.CONFIG_MINOR, migs.CONFIG_MODE)
+        _mknod(caps / f"nvidia-cap{migs.MONITOR_MINOR}", host.caps_major, migs.MONITOR_MINOR, migs.ACCESS_MODE)
+        for device in host.mig_devices:
+            for minor in (device.gi_cap_minor, device.ci_cap_minor):
+                _mknod(caps / f"nvidia-cap{minor}", host.caps_major, minor, migs.ACCESS_MODE)
 
 
 def _write_procfs(host: FakeHost) -> None:
@@ -180,8 +245,33 @@ def _write_procfs(host: FakeHost) -> None:
     for gpu in host.gpus:
         info = texts.proc_gpu_information(gpu, host.driver_version)
         _write(nvidia / "gpus" / gpu.proc_bus_id / "information", info, 0o444)
-    # MIG capability files will go here once MIG is simulated.
-    (nvidia / "capabilities").mkdir(parents=True)
+    host.capabilities_dir.mkdir(parents=True)
+    if host.mig_enabled:
+        _write_mig_procfs(host)
+
+
+def _write_mig_procfs(host: FakeHost) -> None:
+    """The MIG capability minors and the capability files of the instances that exist.
+
+    A capability file's mode is the access it grants, as the driver makes it.
+    """
+    _write(host.mig_minors_path, migs.mig_minors(len(host.gpus)), 0o444)
+    caps = host.capabilities_dir
+    _write(caps / "mig/config", migs.capability_file(migs.CONFIG_MINOR, migs.CONFIG_MODE), migs.CONFIG_MODE)
+    _write(caps / "mig/monitor", migs.capability_file(migs.MONITOR_MINOR, migs.ACCESS_MODE), migs.ACCESS_MODE)
+    for device in host.mig_devices:
+        for path, minor in ((device.gi_proc_path, device.gi_cap_minor), (device.ci_proc_path, device.ci_cap_minor)):
+            _write(caps / path, migs.capability_file(minor, migs.ACCESS_MODE), migs.ACCESS_MODE)
+
+
+def _write_graphics_files(host: FakeHost) -> None:
+    """Vulkan, EGL and OpenCL loader manifests, and OptiX's data file."""
+    vulkan, egl, gbm, opencl, optix = (host.root / path for path in GRAPHICS_FILES)
+    _write(vulkan, texts.vulkan_icd())
+    _write(egl, texts.egl_vendor())
+    _write(gbm, texts.egl_gbm_platform())
+    _write(opencl, texts.opencl_icd())
+    _write(optix, texts.nvoptix_bin(host.driver_version))
 
 
 def _build(host: FakeHost) -> None:
@@ -191,6 +281,7 @@ def _build(host: FakeHost) -> None:
     _write_driver_files(host)
     _write_devices(host)
     _write_procfs(host)
+    _write_graphics_files(host)
     _make_socket(host.root / "run" / "nvidia-persistenced" / "socket")
     _write(host.config_path, texts.gpuhook_config(host.root))
 
@@ -202,13 +293,22 @@ def create_host(
     driver: str = DEFAULT_DRIVER,
     cuda: str = DEFAULT_CUDA,
     model: str = DEFAULT_MODEL,
+    mig: Mapping[int, Sequence[str] | str] | None = None,
 ) -> FakeHost:
-    """Builds a simulated GPU host in dir, which must be new or empty."""
+    """Builds a simulated GPU host in dir, which must be new or empty.
+
+    mig puts GPUs in MIG mode with GPU instances of the given profiles, in
+    creation order: {0: ("1g.10gb", "1g.10gb")}; an empty list leaves MIG on
+    with no instances; a string is read as comma-separated profiles.
+    """
     try:
         validate_driver_version(driver)
         encode_cuda_version(cuda)
         validate_model_name(model)
         devices = make_gpus(gpus, driver, lookup_model(model))
+        layouts = migs.normalise_layouts(mig)
+        mig_devices = migs.make_mig_devices(devices, layouts, driver)
+        devices = tuple(replace(gpu, mig_enabled=True) if gpu.index in layouts else gpu for gpu in devices)
     except ValueError as error:
         raise FakeHostError(str(error)) from error
     if os.geteuid() != 0:
@@ -225,6 +325,7 @@ def create_host(
         uvm_major=texts.UVM_MAJOR,
         caps_major=texts.CAPS_MAJOR,
         nvidia_major=texts.NVIDIA_MAJOR,
+        mig_devices=mig_devices,
     )
     existed = _prepare_root(root)
     try:

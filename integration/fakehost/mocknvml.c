@@ -22,8 +22,18 @@
  *     gpu <index> <minor> <uuid> <bus id> <pci device id> <pci subsystem id>
  *         <cc major>.<cc minor> <memory bytes> <brand> <mig> <persistence>
  *         <name, rest of the line>
- * (each gpu record is one line).  <mig> is "none" (MIG not supported) or
- * "disabled"; <persistence> is 0 or 1; ids are hex with a 0x prefix.
+ *     mig <gpu index> <index on the gpu> <gpu instance id> <compute instance id>
+ *         <uuid> <memory bytes> <name, rest of the line>
+ * (each record is one line).  <mig> is "none" (MIG not supported), "disabled"
+ * or "enabled"; <persistence> is 0 or 1; ids are hex with a 0x prefix.  A mig
+ * record is one MIG device of an "enabled" GPU listed before it; a GPU's MIG
+ * devices come in creation order, which is their index on the GPU.
+ *
+ * MIG: a MIG device handle answers the calls NVML documents for MIG devices
+ * (UUID, name, memory, ids, parent); GPU-only queries (index, minor number,
+ * PCI info, persistence and MIG mode) are NVML_ERROR_NOT_SUPPORTED on it.
+ * Handing a MIG call the wrong kind of handle (a GPU where a MIG device is
+ * expected, or the reverse) is NVML_ERROR_INVALID_ARGUMENT.
  *
  * Call counting: every exported function counts one call.  When the last
  * nvmlShutdown() balances the inits (and, for calls never logged, when the
@@ -126,6 +136,12 @@ typedef struct {
 #define MOCK_MAX_GPUS 64
 #define MOCK_MIG_NONE (-1)
 #define MOCK_MIG_DISABLED 0
+#define MOCK_MIG_ENABLED 1
+/* nvmlDeviceGetMaxMigDeviceCount of a MIG-enabled GPU: one per compute slice. */
+#define MOCK_MAX_MIG_PER_GPU 7
+#define MOCK_MAX_MIGS (MOCK_MAX_GPUS * MOCK_MAX_MIG_PER_GPU)
+#define MOCK_MAX_GPU_INSTANCE_ID 14
+#define MOCK_MAX_COMPUTE_INSTANCE_ID 7
 
 /* The opaque nvmlDevice_t points at one of these. */
 struct nvmlDevice_st {
@@ -145,6 +161,14 @@ struct nvmlDevice_st {
     int mig_mode;
     nvmlEnableState_t persistence;
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
+    /* A MIG device: its GPU (index into devices) and instance ids. */
+    int is_mig;
+    unsigned int parent;
+    unsigned int gpu_instance_id;
+    unsigned int compute_instance_id;
+    /* A GPU: its MIG devices (indices into migs), in creation order. */
+    unsigned int mig_count;
+    unsigned int migs[MOCK_MAX_MIG_PER_GPU];
 };
 typedef struct nvmlDevice_st *nvmlDevice_t;
 
@@ -154,6 +178,8 @@ struct topology {
     int cuda_version;
     unsigned int count;
     struct nvmlDevice_st devices[MOCK_MAX_GPUS];
+    unsigned int mig_total;
+    struct nvmlDevice_st migs[MOCK_MAX_MIGS];
 };
 
 /* Init/shutdown and topology (re)loading happen under g_lock.  Readers only
@@ -300,13 +326,64 @@ static nvmlReturn_t parse_gpu(struct topology *topo, char *line, unsigned int li
         dev.mig_mode = MOCK_MIG_NONE;
     else if (strcmp(mig, "disabled") == 0)
         dev.mig_mode = MOCK_MIG_DISABLED;
+    else if (strcmp(mig, "enabled") == 0)
+        dev.mig_mode = MOCK_MIG_ENABLED;
     else
-        return topology_error(lineno, "mig must be 'none' or 'disabled'");
+        return topology_error(lineno, "mig must be 'none', 'disabled' or 'enabled'");
     if (sscanf(dev.bus_id, "%x:%x:%x.%x", &dev.domain, &dev.bus, &dev.device, &function) != 4)
         return topology_error(lineno, "bad PCI bus id");
     if (copy_field(dev.name, sizeof dev.name, line + name_at) != 0)
         return topology_error(lineno, "missing or overlong gpu name");
     topo->devices[topo->count++] = dev;
+    return NVML_SUCCESS;
+}
+
+/* Parses one "mig ..." record: a MIG device of an already listed GPU. */
+static nvmlReturn_t parse_mig(struct topology *topo, char *line, unsigned int lineno)
+{
+    struct nvmlDevice_st dev;
+    unsigned int gpu;
+    unsigned int position;
+    int name_at = -1;
+
+    memset(&dev, 0, sizeof dev);
+    int fields = sscanf(line, "mig %u %u %u %u %95s %llu %n", &gpu, &position, &dev.gpu_instance_id,
+                        &dev.compute_instance_id, dev.uuid, &dev.memory_total, &name_at);
+    if (fields != 6 || name_at < 0)
+        return topology_error(lineno, "malformed mig record");
+    if (gpu >= topo->count)
+        return topology_error(lineno, "mig record before its gpu record");
+    struct nvmlDevice_st *parent = &topo->devices[gpu];
+    if (parent->mig_mode != MOCK_MIG_ENABLED)
+        return topology_error(lineno, "mig record for a gpu whose MIG mode is not enabled");
+    if (position != parent->mig_count || position >= MOCK_MAX_MIG_PER_GPU)
+        return topology_error(lineno, "a gpu's mig records must be numbered 0, 1, ... (at most 7)");
+    if (dev.gpu_instance_id > MOCK_MAX_GPU_INSTANCE_ID ||
+        dev.compute_instance_id > MOCK_MAX_COMPUTE_INSTANCE_ID)
+        return topology_error(lineno, "gpu instance id must be 0-14, compute instance id 0-7");
+    if (strncmp(dev.uuid, "MIG-", 4) != 0)
+        return topology_error(lineno, "a MIG device uuid starts with MIG-");
+    for (unsigned int i = 0; i < parent->mig_count; i++) {
+        const struct nvmlDevice_st *other = &topo->migs[parent->migs[i]];
+        if (other->gpu_instance_id == dev.gpu_instance_id &&
+            other->compute_instance_id == dev.compute_instance_id)
+            return topology_error(lineno, "duplicate gpu/compute instance ids on one gpu");
+    }
+    if (copy_field(dev.name, sizeof dev.name, line + name_at) != 0)
+        return topology_error(lineno, "missing or overlong mig device name");
+    /* Cannot overflow: each of at most MOCK_MAX_GPUS gpus has at most
+     * MOCK_MAX_MIG_PER_GPU MIG devices. */
+    dev.is_mig = 1;
+    dev.parent = gpu;
+    dev.index = position;
+    dev.minor = parent->minor;
+    dev.cc_major = parent->cc_major;
+    dev.cc_minor = parent->cc_minor;
+    dev.brand = parent->brand;
+    dev.mig_mode = MOCK_MIG_NONE;
+    dev.persistence = parent->persistence;
+    parent->migs[parent->mig_count++] = topo->mig_total;
+    topo->migs[topo->mig_total++] = dev;
     return NVML_SUCCESS;
 }
 
@@ -326,6 +403,8 @@ static nvmlReturn_t parse_line(struct topology *topo, char *line, unsigned int l
     }
     if (strncmp(line, "gpu ", 4) == 0)
         return parse_gpu(topo, line, lineno);
+    if (strncmp(line, "mig ", 4) == 0)
+        return parse_mig(topo, line, lineno);
     if (sscanf(line, "driver %79s", value) == 1)
         return copy_field(topo->driver_version, sizeof topo->driver_version, value) == 0
                    ? NVML_SUCCESS
@@ -378,16 +457,21 @@ static int initialized(void)
     return atomic_load(&g_refcount) > 0;
 }
 
-/* Checks that a handle is one this library handed out. */
-static int valid_device(nvmlDevice_t device)
+/* Whether device points at one of the first count entries of table. */
+static int in_table(nvmlDevice_t device, const struct nvmlDevice_st *table, unsigned int count)
 {
-    uintptr_t base = (uintptr_t)&g_topo.devices[0];
+    uintptr_t base = (uintptr_t)&table[0];
     uintptr_t ptr = (uintptr_t)device;
     if (device == NULL || ptr < base)
         return 0;
     uintptr_t offset = ptr - base;
-    return offset % sizeof(struct nvmlDevice_st) == 0 &&
-           offset / sizeof(struct nvmlDevice_st) < g_topo.count;
+    return offset % sizeof(struct nvmlDevice_st) == 0 && offset / sizeof(struct nvmlDevice_st) < count;
+}
+
+/* Checks that a handle is one this library handed out: a GPU or a MIG device. */
+static int valid_device(nvmlDevice_t device)
+{
+    return in_table(device, g_topo.devices, g_topo.count) || in_table(device, g_topo.migs, g_topo.mig_total);
 }
 
 /* Common prologue for device queries: initialised, known handle, out pointer. */
@@ -398,6 +482,24 @@ static nvmlReturn_t check_device(nvmlDevice_t device, const void *out)
     if (!valid_device(device) || out == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     return NVML_SUCCESS;
+}
+
+/* For queries about a physical GPU only: a MIG device handle is not supported. */
+static nvmlReturn_t check_gpu(nvmlDevice_t device, const void *out)
+{
+    nvmlReturn_t ret = check_device(device, out);
+    if (ret == NVML_SUCCESS && device->is_mig)
+        ret = NVML_ERROR_NOT_SUPPORTED;
+    return ret;
+}
+
+/* For MIG calls that take one kind of handle: the other kind is invalid. */
+static nvmlReturn_t check_kind(nvmlDevice_t device, const void *out, int want_mig)
+{
+    nvmlReturn_t ret = check_device(device, out);
+    if (ret == NVML_SUCCESS && device->is_mig != want_mig)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    return ret;
 }
 
 /* NVML's string contract: NULL is invalid, a short buffer is reported. */
@@ -583,6 +685,34 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevi
     return handle_by_index(index, device);
 }
 
+/* The pre-R470 MIG device name, MIG-<GPU uuid>/<gpu instance>/<compute
+ * instance>, which NVML still resolves. */
+static nvmlReturn_t mig_by_legacy_uuid(const char *uuid, nvmlDevice_t *device)
+{
+    char parent_uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    unsigned int gi;
+    unsigned int ci;
+    char extra;
+
+    if (strncmp(uuid, "MIG-GPU-", 8) != 0)
+        return NVML_ERROR_NOT_FOUND;
+    const char *slash = strchr(uuid + 4, '/');
+    size_t len = slash == NULL ? 0 : (size_t)(slash - (uuid + 4));
+    if (len == 0 || len >= sizeof parent_uuid || sscanf(slash, "/%u/%u%c", &gi, &ci, &extra) != 2)
+        return NVML_ERROR_NOT_FOUND;
+    memcpy(parent_uuid, uuid + 4, len);
+    parent_uuid[len] = '\0';
+    for (unsigned int i = 0; i < g_topo.mig_total; i++) {
+        struct nvmlDevice_st *mig = &g_topo.migs[i];
+        if (mig->gpu_instance_id == gi && mig->compute_instance_id == ci &&
+            strcmp(g_topo.devices[mig->parent].uuid, parent_uuid) == 0) {
+            *device = mig;
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
 {
     COUNT_CALL();
@@ -596,7 +726,13 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_
             return NVML_SUCCESS;
         }
     }
-    return NVML_ERROR_NOT_FOUND;
+    for (unsigned int i = 0; i < g_topo.mig_total; i++) {
+        if (strcmp(g_topo.migs[i].uuid, uuid) == 0) {
+            *device = &g_topo.migs[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return mig_by_legacy_uuid(uuid, device);
 }
 
 /* ---- device queries ------------------------------------------------------ */
@@ -604,7 +740,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 {
     COUNT_CALL();
-    nvmlReturn_t ret = check_device(device, index);
+    nvmlReturn_t ret = check_gpu(device, index);
     if (ret == NVML_SUCCESS)
         *index = device->index;
     return ret;
@@ -627,7 +763,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsi
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
 {
     COUNT_CALL();
-    nvmlReturn_t ret = check_device(device, minorNumber);
+    nvmlReturn_t ret = check_gpu(device, minorNumber);
     if (ret == NVML_SUCCESS)
         *minorNumber = device->minor;
     return ret;
@@ -636,7 +772,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
     COUNT_CALL();
-    nvmlReturn_t ret = check_device(device, pci);
+    nvmlReturn_t ret = check_gpu(device, pci);
     if (ret != NVML_SUCCESS)
         return ret;
     memset(pci, 0, sizeof *pci);
@@ -706,7 +842,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int 
                                               unsigned int *pendingMode)
 {
     COUNT_CALL();
-    nvmlReturn_t ret = check_device(device, currentMode);
+    nvmlReturn_t ret = check_gpu(device, currentMode);
     if (ret == NVML_SUCCESS && pendingMode == NULL)
         ret = NVML_ERROR_INVALID_ARGUMENT;
     if (ret != NVML_SUCCESS)
@@ -722,8 +858,76 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnableState_t *mode)
 {
     COUNT_CALL();
-    nvmlReturn_t ret = check_device(device, mode);
+    nvmlReturn_t ret = check_gpu(device, mode);
     if (ret == NVML_SUCCESS)
         *mode = device->persistence;
+    return ret;
+}
+
+/* ---- MIG ------------------------------------------------------------------ */
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_device(device, isMigDevice);
+    if (ret == NVML_SUCCESS)
+        *isMigDevice = device->is_mig ? 1u : 0u;
+    return ret;
+}
+
+/* Zero unless MIG is enabled (nvml.h: "Returns zero if MIG is not supported or enabled"). */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_kind(device, count, 0);
+    if (ret == NVML_SUCCESS)
+        *count = device->mig_mode == MOCK_MIG_ENABLED ? MOCK_MAX_MIG_PER_GPU : 0;
+    return ret;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                                             nvmlDevice_t *migDevice)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_kind(device, migDevice, 0);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (device->mig_mode == MOCK_MIG_NONE)
+        return NVML_ERROR_NOT_SUPPORTED;
+    /* Past the maximum (zero with MIG off) the index itself is invalid;
+     * below it, a slot without a MIG device is not found. */
+    if (device->mig_mode != MOCK_MIG_ENABLED || index >= MOCK_MAX_MIG_PER_GPU)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (index >= device->mig_count)
+        return NVML_ERROR_NOT_FOUND;
+    *migDevice = &g_topo.migs[device->migs[index]];
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice,
+                                                                      nvmlDevice_t *device)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_kind(migDevice, device, 1);
+    if (ret == NVML_SUCCESS)
+        *device = &g_topo.devices[migDevice->parent];
+    return ret;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_kind(device, id, 1);
+    if (ret == NVML_SUCCESS)
+        *id = device->gpu_instance_id;
+    return ret;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_kind(device, id, 1);
+    if (ret == NVML_SUCCESS)
+        *id = device->compute_instance_id;
     return ret;
 }

@@ -5,6 +5,10 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .mig import FakeMigDevice
 
 # NVML brand enum values (nvmlBrandType_t; pynvml.NVML_BRAND_*).  Kept here
 # rather than imported so that building a host does not need pynvml.
@@ -97,6 +101,7 @@ class FakeGpu:
     pci_subsystem_id: int
     mig_capable: bool
     vbios: str
+    mig_enabled: bool = False  # MIG mode on (create_host's mig argument)
 
     @property
     def proc_bus_id(self) -> str:
@@ -171,23 +176,38 @@ def nvml_version(driver: str) -> str:
     return f"12.{driver}"
 
 
-def render_topology(driver: str, cuda: str, gpus: tuple[FakeGpu, ...]) -> str:
+def _mig_state(gpu: FakeGpu) -> str:
+    """The topology's mig column: MIG not supported, supported but off, or on."""
+    if gpu.mig_enabled:
+        return "enabled"
+    return "disabled" if gpu.mig_capable else "none"
+
+
+def render_topology(
+    driver: str, cuda: str, gpus: tuple[FakeGpu, ...], mig_devices: tuple[FakeMigDevice, ...] = ()
+) -> str:
     """The topology file mocknvml.c parses (format documented there)."""
     lines = [
         "mock-nvml-topology 1",
         "# Read by libnvidia-ml (integration/fakehost/mocknvml.c).  gpu columns:",
         "# index minor uuid bus-id pci-device-id pci-subsystem-id cc memory-bytes",
-        "#   brand mig(none|disabled) persistence(0|1) name...",
+        "#   brand mig(none|disabled|enabled) persistence(0|1) name...",
+        "# mig columns (after their GPU, in creation order):",
+        "# gpu-index index-on-gpu gpu-instance-id compute-instance-id uuid memory-bytes name...",
         f"driver {driver}",
         f"nvml {nvml_version(driver)}",
         f"cuda {encode_cuda_version(cuda)}",
     ]
     for gpu in gpus:
         major, minor = gpu.compute_capability
-        mig = "disabled" if gpu.mig_capable else "none"
         lines.append(
             f"gpu {gpu.index} {gpu.minor} {gpu.uuid} {gpu.pci_bus_id} 0x{gpu.pci_device_id:08x}"
             f" 0x{gpu.pci_subsystem_id:08x} {major}.{minor} {gpu.memory_total} {gpu.brand}"
-            f" {mig} 1 {gpu.name}"
+            f" {_mig_state(gpu)} 1 {gpu.name}"
         )
+        lines += [
+            f"mig {mig.parent_index} {mig.index} {mig.gi} {mig.ci} {mig.uuid} {mig.memory_total} {mig.name}"
+            for mig in mig_devices
+            if mig.parent_index == gpu.index
+        ]
     return "\n".join(lines) + "\n"

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from .mig import FakeMigDevice
 from .models import FakeGpu
 
 NVIDIA_MAJOR = 195
@@ -15,6 +16,13 @@ MODESET_MINOR = 254
 # late, so on real hosts they usually get the highest ones.
 UVM_MAJOR = 511
 CAPS_MAJOR = 510
+IMEX_MAJOR = 509
+NVSWITCH_MAJOR = 508
+NVIDIA_FS_MAJOR = 507
+GDRDRV_MAJOR = 506
+# Fixed majors: the InfiniBand verbs/MAD region and the misc class (rdma_cm).
+INFINIBAND_MAJOR = 231
+MISC_MAJOR = 10
 
 # A plausible kernel-module build stamp; nothing parses it.
 _BUILD_DATE = "Tue Mar  5 22:23:56 UTC 2024"
@@ -29,7 +37,7 @@ _CHAR_DEVICES = (
     (5, "/dev/console"),
     (5, "/dev/ptmx"),
     (7, "vcs"),
-    (10, "misc"),
+    (MISC_MAJOR, "misc"),
     (13, "input"),
     (29, "fb"),
     (128, "ptm"),
@@ -40,6 +48,8 @@ _CHAR_DEVICES = (
     (202, "cpu/msr"),
     (203, "cpu/cpuid"),
     (226, "drm"),
+    (INFINIBAND_MAJOR, "infiniband_mad"),
+    (INFINIBAND_MAJOR, "infiniband_verbs"),
     (238, "aux"),
     (240, "infiniband_verbs"),
     (241, "nvme-generic"),
@@ -54,6 +64,10 @@ _CHAR_DEVICES = (
     (250, "dax"),
     (251, "tpm"),
     (252, "gpiochip"),
+    (GDRDRV_MAJOR, "gdrdrv"),
+    (NVIDIA_FS_MAJOR, "nvidia-fs"),
+    (NVSWITCH_MAJOR, "nvidia-nvswitch"),
+    (IMEX_MAJOR, "nvidia-caps-imex-channels"),
     (CAPS_MAJOR, "nvidia-caps"),
     (UVM_MAJOR, "nvidia-uvm"),
 )
@@ -172,9 +186,24 @@ def _smi_table(driver: str, cuda: str, gpus: tuple[FakeGpu, ...]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def nvidia_smi_script(driver: str, cuda: str, gpus: tuple[FakeGpu, ...]) -> str:
+def _smi_listing(gpus: tuple[FakeGpu, ...], mig_devices: tuple[FakeMigDevice, ...]) -> str:
+    """nvidia-smi -L: each GPU, then its MIG devices indented under it."""
+    lines = []
+    for gpu in gpus:
+        lines.append(f"GPU {gpu.index}: {gpu.name} (UUID: {gpu.uuid})\n")
+        lines += [
+            f"  MIG {mig.profile:<11} Device {mig.index:2d}: (UUID: {mig.uuid})\n"
+            for mig in mig_devices
+            if mig.parent_index == gpu.index
+        ]
+    return "".join(lines)
+
+
+def nvidia_smi_script(
+    driver: str, cuda: str, gpus: tuple[FakeGpu, ...], mig_devices: tuple[FakeMigDevice, ...] = ()
+) -> str:
     """An nvidia-smi stand-in: the version table, or the -L list."""
-    listing = "".join(f"GPU {gpu.index}: {gpu.name} (UUID: {gpu.uuid})\n" for gpu in gpus)
+    listing = _smi_listing(gpus, mig_devices)
     # Quoted here-documents: GPU names are printed verbatim, never expanded.
     return (
         "#!/bin/sh\n"
@@ -203,6 +232,38 @@ def tool_script(name: str, driver: str) -> str:
         f"echo '{name}: simulated GPU host, driver {driver}; nothing to do' >&2\n"
         "exit 0\n"
     )
+
+
+# What the driver installs for the Vulkan, EGL and OpenCL loaders to find it.
+def vulkan_icd() -> str:
+    """/usr/share/vulkan/icd.d/nvidia_icd.json (550 series: Vulkan 1.3.277)."""
+    return _loader_json({"library_path": "libGLX_nvidia.so.0", "api_version": "1.3.277"})
+
+
+def egl_vendor() -> str:
+    """/usr/share/glvnd/egl_vendor.d/10_nvidia.json: libglvnd's EGL vendor entry."""
+    return _loader_json({"library_path": "libEGL_nvidia.so.0"})
+
+
+def egl_gbm_platform() -> str:
+    """/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json: the GBM external platform."""
+    return _loader_json({"library_path": "libnvidia-egl-gbm.so.1"})
+
+
+def opencl_icd() -> str:
+    """/etc/OpenCL/vendors/nvidia.icd: the one library the OpenCL ICD loader opens."""
+    return "libnvidia-opencl.so.1\n"
+
+
+def nvoptix_bin(driver: str) -> bytes:
+    """A stand-in for /usr/share/nvidia/nvoptix.bin (OptiX's precompiled data)."""
+    return b"NVOPTIX\0" + f"simulated nvoptix.bin {driver}\n".encode()
+
+
+def _loader_json(icd: dict[str, str]) -> str:
+    """A loader manifest laid out as NVIDIA's installer writes them."""
+    fields = ",\n".join(f"        {json.dumps(key)} : {json.dumps(value)}" for key, value in icd.items())
+    return f'{{\n    "file_format_version" : "1.0.0",\n    "ICD" : {{\n{fields}\n    }}\n}}\n'
 
 
 def _yaml_scalar(text: str) -> str:

@@ -58,6 +58,8 @@ def test_stale_uvm_node_is_refused(host: FakeHost, tmp_path: Path) -> None:
     dev = tmp_path / "dev"
     dev.mkdir()
     for node in host.root.joinpath("dev").iterdir():
+        if node.is_dir():
+            continue  # nvidia-caps-imex-channels/, infiniband/: not needed here
         st = node.lstat()
         rdev = os.makedev(host.uvm_major + 1, 0) if node.name == "nvidia-uvm" else st.st_rdev
         os.mknod(dev / node.name, st.st_mode, rdev)

@@ -24,7 +24,7 @@ import pynvml
 import pytest
 import yaml
 
-from integration.fakehost import DRIVER_LIBRARIES, FakeHost, FakeHostError, create_host, models, native
+from integration.fakehost import DRIVER_LIBRARIES, FakeHost, FakeHostError, create_host, mig, models, native
 
 REPO = Path(__file__).resolve().parents[2]
 GPUS = 4
@@ -169,8 +169,34 @@ def test_ld_so_cache_maps_every_soname(host: FakeHost) -> None:
     assert os.readlink(host.lib_dir / "libnvidia-ml.so.1") == f"libnvidia-ml.so.{host.driver_version}"
 
 
-def test_device_nodes(host: FakeHost) -> None:
-    """The driver's character devices, with NVIDIA's numbers and mode 0666."""
+def char_devices(dev: Path) -> dict[str, tuple[int, int, int]]:
+    """Every node under dev (relative path -> major, minor, mode); directories are 0755, nothing else is there."""
+    found = {}
+    for path in sorted(dev.rglob("*")):
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode):
+            assert stat.S_IMODE(info.st_mode) == 0o755, path
+            continue
+        assert stat.S_ISCHR(info.st_mode), path
+        found[str(path.relative_to(dev))] = (os.major(info.st_rdev), os.minor(info.st_rdev), stat.S_IMODE(info.st_mode))
+    return found
+
+
+# NVSwitch, GPUDirect Storage, GDRCopy and RDMA nodes, as on a DGX.
+GATED = {
+    "nvidia-nvswitchctl": (508, 255),
+    "nvidia-nvswitch0": (508, 0),
+    "nvidia-nvswitch1": (508, 1),
+    "nvidia-fs0": (507, 0),
+    "nvidia-fs1": (507, 1),
+    "gdrdrv": (506, 0),
+    "infiniband/uverbs0": (231, 192),
+    "infiniband/rdma_cm": (10, 58),
+}
+
+
+def base_devices(host: FakeHost) -> dict[str, tuple[int, int, int]]:
+    """The nodes every simulated host has: GPUs, control, UVM, IMEX channels, gated (all 0666)."""
     expected = {f"nvidia{gpu.minor}": (195, gpu.minor) for gpu in host.gpus}
     expected |= {
         "nvidiactl": (195, 255),
@@ -178,13 +204,19 @@ def test_device_nodes(host: FakeHost) -> None:
         "nvidia-uvm": (host.uvm_major, 0),
         "nvidia-uvm-tools": (host.uvm_major, 1),
     }
+    expected |= {f"nvidia-caps-imex-channels/channel{n}": (509, n) for n in range(4)}
+    expected |= GATED
+    return {name: (major, minor, 0o666) for name, (major, minor) in expected.items()}
+
+
+def test_device_nodes(host: FakeHost) -> None:
+    """The driver's character devices and a DGX's gated ones, with their numbers and mode 0666."""
     assert host.uvm_major == 511
-    assert sorted(p.name for p in (host.root / "dev").iterdir()) == sorted(expected)
-    for name, (major, minor) in expected.items():
-        info = os.lstat(host.root / "dev" / name)
-        assert stat.S_ISCHR(info.st_mode), name
-        assert stat.S_IMODE(info.st_mode) == 0o666, name
-        assert (os.major(info.st_rdev), os.minor(info.st_rdev)) == (major, minor), name
+    assert (host.imex_major, host.imex_channels) == (509, (0, 1, 2, 3))
+    assert (host.nvswitch_major, host.nvidia_fs_major, host.gdrdrv_major) == (508, 507, 506)
+    assert {name: (major, minor) for name, major, minor in host.gated_nodes} == GATED
+    # No MIG, so no /dev/nvidia-caps.
+    assert char_devices(host.root / "dev") == base_devices(host)
 
 
 def test_proc_devices_has_the_kernel_format(host: FakeHost) -> None:
@@ -200,6 +232,13 @@ def test_proc_devices_has_the_kernel_format(host: FakeHost) -> None:
     assert majors["nvidia-frontend"] == host.nvidia_major == 195
     assert majors["nvidia-uvm"] == host.uvm_major
     assert majors["nvidia-caps"] == host.caps_major == 510
+    assert majors["nvidia-caps-imex-channels"] == host.imex_major == 509
+    assert (majors["nvidia-nvswitch"], majors["nvidia-fs"], majors["gdrdrv"]) == (508, 507, 506)
+    assert (majors["misc"], majors["infiniband_mad"]) == (10, 231)
+    verbs = [line for line in char_lines if line.endswith(" infiniband_verbs")]
+    assert verbs == ["231 infiniband_verbs", "240 infiniband_verbs"]  # fixed and dynamic region
+    numbers = [int(line.split()[0]) for line in char_lines]
+    assert numbers == sorted(numbers)
 
 
 def test_proc_driver_nvidia(host: FakeHost) -> None:
@@ -216,7 +255,10 @@ def test_proc_driver_nvidia(host: FakeHost) -> None:
     assert params["ModifyDeviceFiles"] == "1"
     assert params["DeviceFileMode"] == "438"  # 0666
     assert (nvidia / "registry").read_text() == 'Binary: ""\n'
+    # Without MIG there are no MIG capabilities to publish.
     assert list((nvidia / "capabilities").iterdir()) == []
+    assert not (host.root / "proc/driver/nvidia-caps").exists()
+    assert host.mig_devices == () and not host.mig_enabled
 
 
 def test_proc_gpu_information(host: FakeHost) -> None:
@@ -273,6 +315,35 @@ def test_tools_firmware_and_socket(host: FakeHost) -> None:
     for firmware in ("gsp_ga10x.bin", "gsp_tu10x.bin"):
         assert (host.root / "lib/firmware/nvidia/550.54.15" / firmware).stat().st_size > 0
     assert stat.S_ISSOCK(os.lstat(host.root / "run/nvidia-persistenced/socket").st_mode)
+
+
+def test_graphics_files(host: FakeHost) -> None:
+    """Vulkan/EGL loader manifests naming the driver's libraries, the OpenCL ICD and nvoptix.bin."""
+    share = host.root / "usr/share"
+    assert json.loads((share / "vulkan/icd.d/nvidia_icd.json").read_text()) == {
+        "file_format_version": "1.0.0",
+        "ICD": {"library_path": "libGLX_nvidia.so.0", "api_version": "1.3.277"},
+    }
+    assert json.loads((share / "glvnd/egl_vendor.d/10_nvidia.json").read_text()) == {
+        "file_format_version": "1.0.0",
+        "ICD": {"library_path": "libEGL_nvidia.so.0"},
+    }
+    assert json.loads((share / "egl/egl_external_platform.d/15_nvidia_gbm.json").read_text()) == {
+        "file_format_version": "1.0.0",
+        "ICD": {"library_path": "libnvidia-egl-gbm.so.1"},
+    }
+    assert (host.root / "etc/OpenCL/vendors/nvidia.icd").read_text() == "libnvidia-opencl.so.1\n"
+    sonames = {lib.soname(host.driver_version) for lib in DRIVER_LIBRARIES}
+    assert {"libGLX_nvidia.so.0", "libEGL_nvidia.so.0", "libnvidia-opencl.so.1"} <= sonames
+    assert 0 < (share / "nvidia/nvoptix.bin").stat().st_size < 4096
+    for path in (
+        "usr/share/vulkan/icd.d/nvidia_icd.json",
+        "usr/share/glvnd/egl_vendor.d/10_nvidia.json",
+        "usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json",
+        "etc/OpenCL/vendors/nvidia.icd",
+        "usr/share/nvidia/nvoptix.bin",
+    ):
+        assert stat.S_IMODE((host.root / path).stat().st_mode) == 0o644, path
 
 
 def test_gpuhook_config(host: FakeHost) -> None:
@@ -540,6 +611,10 @@ def test_mock_nvml_without_or_with_broken_topology(host: FakeHost, tmp_path: Pat
     broken = run_nvml(lib, init)
     assert broken["init"] == pynvml.NVML_ERROR_UNKNOWN
     assert f"{topology.resolve()}:" in broken["stderr"] and "malformed gpu record" in broken["stderr"]
+    topology.write_text(good + "mig 1 0 7 0 MIG-00000000-0000-0000-0000-000000000000 1024 X MIG 1g.10gb\n")
+    stray = run_nvml(lib, init)
+    assert stray["init"] == pynvml.NVML_ERROR_UNKNOWN
+    assert "mig record for a gpu whose MIG mode is not enabled" in stray["stderr"]
     topology.write_text(good)
     assert run_nvml(lib, init + 'out["n"] = nvml(pynvml.nvmlDeviceGetCount)\n')["n"] == GPUS
 
@@ -556,20 +631,44 @@ out["cc"] = nvml(pynvml.nvmlDeviceGetCudaComputeCapability, h)
 out["brand"] = nvml(pynvml.nvmlDeviceGetBrand, h)
 out["memory"] = nvml(pynvml.nvmlDeviceGetMemoryInfo, h).total
 out["mig"] = code(pynvml.nvmlDeviceGetMigMode, h)
+out["max_mig"] = nvml(pynvml.nvmlDeviceGetMaxMigDeviceCount, h)
+out["mig_0"] = code(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, h, 0)
 nvml(pynvml.nvmlShutdown)
 """
 
 
 @pytest.mark.parametrize(
-    ("model", "cc", "brand", "memory_mib", "mig"),
+    ("model", "cc", "brand", "memory_mib", "mig", "mig_0"),
     [
-        ("Tesla T4", [7, 5], pynvml.NVML_BRAND_TESLA, 15360, pynvml.NVML_ERROR_NOT_SUPPORTED),
-        ("NVIDIA A100-SXM4-80GB", [8, 0], pynvml.NVML_BRAND_TESLA, 81920, pynvml.NVML_SUCCESS),
-        ("ACME Accelerator 9000", [8, 0], pynvml.NVML_BRAND_NVIDIA, 16384, pynvml.NVML_ERROR_NOT_SUPPORTED),
+        (
+            "Tesla T4",
+            [7, 5],
+            pynvml.NVML_BRAND_TESLA,
+            15360,
+            pynvml.NVML_ERROR_NOT_SUPPORTED,
+            pynvml.NVML_ERROR_NOT_SUPPORTED,
+        ),
+        # MIG-capable with MIG off: no MIG device slots at all.
+        (
+            "NVIDIA A100-SXM4-80GB",
+            [8, 0],
+            pynvml.NVML_BRAND_TESLA,
+            81920,
+            pynvml.NVML_SUCCESS,
+            pynvml.NVML_ERROR_INVALID_ARGUMENT,
+        ),
+        (
+            "ACME Accelerator 9000",
+            [8, 0],
+            pynvml.NVML_BRAND_NVIDIA,
+            16384,
+            pynvml.NVML_ERROR_NOT_SUPPORTED,
+            pynvml.NVML_ERROR_NOT_SUPPORTED,
+        ),
     ],
 )
 def test_other_models_and_versions(
-    tmp_path: Path, model: str, cc: list[int], brand: int, memory_mib: int, mig: int
+    tmp_path: Path, model: str, cc: list[int], brand: int, memory_mib: int, mig: int, mig_0: int
 ) -> None:
     """Model table and fallback, another driver and CUDA version, a socket path past sun_path."""
     deep = tmp_path / ("d" * 60) / ("e" * 60)
@@ -579,6 +678,8 @@ def test_other_models_and_versions(
     got = run_nvml(host.nvml_library, _MODEL_REPORT)
     assert (got["driver"], got["cuda"], got["name"]) == ("535.104.05", 12020, model)
     assert (got["cc"], got["brand"], got["memory"], got["mig"]) == (cc, brand, memory_mib * 2**20, mig)
+    # nvml.h: the maximum is zero when MIG is not supported or not enabled.
+    assert (got["max_mig"], got["mig_0"]) == (0, mig_0)
 
 
 @pytest.mark.parametrize(
@@ -644,11 +745,358 @@ def test_cli_refuses_non_empty_dir(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["keep"]
 
 
-def test_cli_refuses_mig(tmp_path: Path) -> None:
-    """--mig is parsed, then refused until MIG is simulated for real."""
-    result = run_cli("create", str(tmp_path / "h"), "--gpus", "2", "--mig", "0:1g.10gb,3g.40gb")
-    assert result.returncode == 2
-    assert "MIG simulation is not implemented yet" in result.stderr
+def test_cli_mig(tmp_path: Path) -> None:
+    """`--mig 0:1g.10gb,1g.10gb` on two GPUs: two MIG devices on GPU 0, their caps, nodes and NVML view."""
+    result = run_cli("create", str(tmp_path / "h"), "--gpus", "2", "--mig", "0:1g.10gb,1g.10gb")
+    assert result.returncode == 0, result.stderr
+    root = (tmp_path / "h").resolve()
+    summary = re.findall(r"^    MIG (\d): 1g\.10gb MIG-[0-9a-f-]{36} gi (\d) ci 0 caps (\S+)$", result.stdout, re.M)
+    assert summary == [("0", "7", "nvidia-cap66,nvidia-cap67"), ("1", "8", "nvidia-cap75,nvidia-cap76")]
+    caps = {
+        name: numbers for name, numbers in char_devices(root / "dev").items() if name.startswith("nvidia-caps/")
+    }
+    assert caps == {
+        "nvidia-caps/nvidia-cap1": (510, 1, 0o400),
+        "nvidia-caps/nvidia-cap2": (510, 2, 0o444),
+        "nvidia-caps/nvidia-cap66": (510, 66, 0o444),
+        "nvidia-caps/nvidia-cap67": (510, 67, 0o444),
+        "nvidia-caps/nvidia-cap75": (510, 75, 0o444),
+        "nvidia-caps/nvidia-cap76": (510, 76, 0o444),
+    }
+    capabilities = root / "proc/driver/nvidia/capabilities"
+    assert sorted(str(p.relative_to(capabilities)) for p in capabilities.rglob("*") if p.is_file()) == [
+        "gpu0/mig/gi7/access",
+        "gpu0/mig/gi7/ci0/access",
+        "gpu0/mig/gi8/access",
+        "gpu0/mig/gi8/ci0/access",
+        "mig/config",
+        "mig/monitor",
+    ]
+    assert (capabilities / "gpu0/mig/gi8/ci0/access").read_text() == (
+        "DeviceFileMinor: 76\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
+    )
+    topology = (root / "etc/mock-nvml/topology").read_text()
+    assert " enabled 1 NVIDIA H100 80GB HBM3\n" in topology and " disabled 1 NVIDIA H100 80GB HBM3\n" in topology
+    assert len(re.findall(r"^mig 0 [01] [78] 0 MIG-", topology, re.M)) == 2
+    listing = subprocess.run([root / "usr/bin/nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    assert re.fullmatch(
+        r"GPU 0: .*\n  MIG 1g\.10gb     Device  0: \(UUID: MIG-.*\)\n  MIG 1g\.10gb     Device  1: \(UUID: MIG-.*\)\n"
+        r"GPU 1: .*\n",
+        listing,
+    ), listing
+    # The same request split over two --mig options builds the same host.
+    again = run_cli("create", str(tmp_path / "h2"), "--gpus", "2", "--mig", "0:1g.10gb", "--mig", "0:1g.10gb")
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "h2/etc/mock-nvml/topology").read_text() == topology
+
+
+@pytest.mark.parametrize(
+    ("mig_args", "message"),
+    [
+        (["0:1g.10gb,7g.80gb"], "needs 8 compute slices; a GPU has 7"),
+        (["0:1g.5gb"], "NVIDIA H100 80GB HBM3 has no MIG profile '1g.5gb'; its profiles are 1g.10gb, "),
+        (["2:1g.10gb"], "--mig names GPU 2, but the host has GPUs 0-1"),
+        (["0:4g.40gb", "0:4g.40gb"], "needs 8 compute slices"),
+    ],
+)
+def test_cli_refuses_bad_mig(tmp_path: Path, mig_args: list[str], message: str) -> None:
+    """A MIG layout that cannot exist is an error naming the problem; nothing is built."""
+    options = [arg for value in mig_args for arg in ("--mig", value)]
+    result = run_cli("create", str(tmp_path / "h"), "--gpus", "2", *options)
+    assert result.returncode == 1
+    assert result.stderr.startswith("fakehost: error: ") and message in result.stderr, result.stderr
     assert not (tmp_path / "h").exists()
-    malformed = run_cli("create", str(tmp_path / "h"), "--gpus", "2", "--mig", "zero")
-    assert malformed.returncode == 2 and "GPU:PROFILE" in malformed.stderr
+
+
+def test_cli_refuses_malformed_mig(tmp_path: Path) -> None:
+    """--mig that is not GPU:PROFILE[,PROFILE...] is a usage error."""
+    for value in ("zero", "0:", "0:1g.10gb,", "x:1g.10gb", "0:big"):
+        malformed = run_cli("create", str(tmp_path / "h"), "--gpus", "2", "--mig", value)
+        assert malformed.returncode == 2 and "GPU:PROFILE" in malformed.stderr, value
+    assert not (tmp_path / "h").exists()
+
+
+# ---- MIG ---------------------------------------------------------------------
+
+# GPU 0 fully partitioned four ways, GPU 1 without MIG, GPU 2 one whole-GPU
+# instance, GPU 3 in MIG mode with no instances yet.
+MIG_LAYOUT = {0: ("3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"), 2: ("7g.80gb",), 3: ()}
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.fixture(scope="module")
+def mig_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHost]:
+    """A 4-GPU H100 host with MIG_LAYOUT."""
+    yield create_host(tmp_path_factory.mktemp("fakehost-mig") / "host", gpus=GPUS, mig=MIG_LAYOUT)
+
+
+def test_mig_devices(mig_host: FakeHost) -> None:
+    """FakeHost.mig_devices: creation order, driver GI ids by size, CI 0, stable MIG UUIDs, cap minors."""
+    assert mig_host.mig_enabled
+    assert [gpu.mig_enabled for gpu in mig_host.gpus] == [True, False, True, True]
+    got = [(m.parent_index, m.index, m.profile, m.gi, m.ci) for m in mig_host.mig_devices]
+    assert got == [
+        (0, 0, "3g.40gb", 1, 0),
+        (0, 1, "2g.20gb", 3, 0),
+        (0, 2, "1g.10gb", 7, 0),
+        (0, 3, "1g.10gb", 8, 0),
+        (2, 0, "7g.80gb", 0, 0),
+    ]
+    for device in mig_host.mig_devices:
+        assert re.fullmatch(r"MIG-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", device.uuid)
+        assert device.parent_minor == mig_host.gpus[device.parent_index].minor
+        assert device.gi_cap_minor == 3 + 135 * device.parent_minor + 9 * device.gi
+        assert device.ci_cap_minor == device.gi_cap_minor + 1 + device.ci
+        assert device.name == f"NVIDIA H100 80GB HBM3 MIG {device.profile}"
+    assert len({m.uuid for m in mig_host.mig_devices}) == 5
+    assert not {m.uuid for m in mig_host.mig_devices} & {g.uuid for g in mig_host.gpus}
+    # Deterministic: the same layout on another build has the same UUIDs.
+    gpus = models.make_gpus(GPUS, "550.54.15", models.lookup_model(mig_host.model))
+    again = mig.make_mig_devices(gpus, MIG_LAYOUT, "550.54.15")
+    assert again == mig_host.mig_devices
+    # Memory: the instance's share of the GPU's 8 memory slices, in 256 MiB steps.
+    memory = {m.profile: m.memory_total // 2**20 for m in mig_host.mig_devices}
+    assert memory == {"3g.40gb": 40704, "2g.20gb": 20224, "1g.10gb": 9984, "7g.80gb": 81408}
+
+
+@pytest.mark.parametrize(
+    ("model", "profiles", "gis"),
+    [
+        ("NVIDIA H100 80GB HBM3", ["7g.80gb"], [0]),
+        ("NVIDIA H100 80GB HBM3", ["4g.40gb", "3g.40gb"], [1, 2]),
+        ("NVIDIA H100 80GB HBM3", ["3g.40gb", "3g.40gb"], [1, 2]),
+        ("NVIDIA H100 80GB HBM3", ["4g.40gb", "2g.20gb", "1g.10gb"], [1, 3, 7]),
+        ("NVIDIA H100 80GB HBM3", ["1g.10gb", "2g.20gb", "2g.20gb", "2g.20gb"], [7, 3, 4, 5]),
+        ("NVIDIA H100 80GB HBM3", ["1g.10gb"] * 7, list(range(7, 14))),
+        ("NVIDIA H100 80GB HBM3", ["1g.20gb"] * 4, [7, 8, 9, 10]),
+        ("NVIDIA H100 80GB HBM3", ["1g.10gb+me", "1g.10gb"], [7, 8]),
+        ("NVIDIA H100 PCIe", ["3g.40gb", "1g.10gb"], [1, 7]),
+        ("NVIDIA A100-SXM4-80GB", ["2g.20gb", "1g.20gb"], [3, 7]),
+        ("NVIDIA A100-SXM4-40GB", ["3g.20gb", "2g.10gb", "1g.5gb", "1g.5gb"], [1, 3, 7, 8]),
+        ("NVIDIA A100-SXM4-40GB", ["7g.40gb"], [0]),
+    ],
+)
+def test_mig_gpu_instance_ids(model: str, profiles: list[str], gis: list[int]) -> None:
+    """GI ids as the driver assigns them: 7g 0, 4g 1, 3g 1-2, 2g 3-6, 1g 7-14, lowest free first."""
+    gpus = models.make_gpus(1, "550.54.15", models.lookup_model(model))
+    devices = mig.make_mig_devices(gpus, {0: profiles}, "550.54.15")
+    assert [(d.index, d.profile, d.gi, d.ci) for d in devices] == [
+        (i, p, gi, 0) for i, (p, gi) in enumerate(zip(profiles, gis, strict=True))
+    ]
+
+
+def test_mig_profiles_per_model() -> None:
+    """The GPU instance profiles each MIG model offers, and only those models."""
+    names = {model: [p.name for p in profiles] for model, profiles in mig.MIG_PROFILES.items()}
+    h100 = ["1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
+    assert names == {
+        "NVIDIA H100 80GB HBM3": h100,
+        "NVIDIA H100 PCIe": h100,
+        "NVIDIA A100-SXM4-80GB": h100,
+        "NVIDIA A100-SXM4-40GB": ["1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"],
+    }
+    capable = {name for name in models.KNOWN_MODELS if models.lookup_model(name).mig_capable}
+    assert capable == set(mig.MIG_PROFILES)
+
+
+@pytest.mark.parametrize(
+    ("model", "layout", "message"),
+    [
+        (H100, {0: ["9g.90gb"]}, "has no MIG profile '9g.90gb'; its profiles are 1g.10gb, 1g.10gb+me, 1g.20gb"),
+        ("NVIDIA A100-SXM4-40GB", {0: ["1g.10gb", "3g.40gb"]}, "NVIDIA A100-SXM4-40GB has no MIG profile '3g.40gb'"),
+        ("NVIDIA H100 80GB HBM3", {0: ["4g.40gb", "4g.40gb"]}, "needs 8 compute slices; a GPU has 7"),
+        ("NVIDIA H100 80GB HBM3", {0: ["1g.10gb"] * 8}, "needs 8 compute slices; a GPU has 7"),
+        ("NVIDIA H100 80GB HBM3", {0: ["1g.20gb"] * 5}, "needs 10 memory slices; a GPU has 8"),
+        ("NVIDIA H100 80GB HBM3", {0: ["3g.40gb", "3g.40gb", "1g.10gb"]}, "needs 9 memory slices"),
+        (H100, {0: ["3g.40gb", "4g.40gb"]}, "no GPU instance id is left for 4g.40gb after 3g.40gb (gi 1)"),
+        ("NVIDIA H100 80GB HBM3", {0: ["1g.10gb+me", "1g.10gb+me"]}, "more than one +me profile"),
+        ("NVIDIA H100 80GB HBM3", {0: ["1c.3g.40gb"]}, "'1c.3g.40gb' is a compute instance profile"),
+        ("NVIDIA H100 80GB HBM3", {1: ["1g.10gb"]}, "--mig names GPU 1, but the host has GPUs 0-0"),
+        ("NVIDIA H100 80GB HBM3", {-1: ["1g.10gb"]}, "--mig names GPU -1"),
+        ("NVIDIA H100 80GB HBM3", {"0": ["1g.10gb"]}, "mig keys are GPU indices, got '0'"),
+        ("Tesla T4", {0: ["1g.10gb"]}, "GPU 0 (Tesla T4) has no MIG profiles; MIG-capable models: NVIDIA H100"),
+        ("ACME Accelerator 9000", {0: []}, "GPU 0 (ACME Accelerator 9000) has no MIG profiles"),
+    ],
+)
+def test_create_host_refuses_bad_mig(tmp_path: Path, model: str, layout: dict[Any, list[str]], message: str) -> None:
+    """Unknown profiles, layouts that do not fit, MIG on a non-MIG model: clear errors, nothing written."""
+    with pytest.raises(FakeHostError) as error:
+        create_host(tmp_path / "host", gpus=1, model=model, mig=layout)
+    assert message in str(error.value)
+    assert not (tmp_path / "host").exists()
+
+
+def test_create_host_accepts_a_comma_separated_string(tmp_path: Path) -> None:
+    """mig={0: "1g.10gb,1g.10gb"} is the CLI's syntax and means the same as a tuple."""
+    host = create_host(tmp_path / "host", gpus=1, mig={0: "1g.10gb,1g.10gb"})
+    assert [(m.profile, m.gi) for m in host.mig_devices] == [("1g.10gb", 7), ("1g.10gb", 8)]
+
+
+def test_mig_minors_table(mig_host: FakeHost) -> None:
+    """The driver's full table: config, monitor, then 15 GIs x (1 + 8 CIs) per GPU for all 32 GPUs."""
+    text = mig_host.mig_minors_path.read_text()
+    assert stat.S_IMODE(mig_host.mig_minors_path.stat().st_mode) == 0o444
+    rows = [line.split(" ") for line in text.splitlines()]
+    assert text.endswith("\n") and all(len(row) == 2 for row in rows)
+    assert [int(minor) for _, minor in rows] == list(range(1, 4323))
+    table = dict((name, int(minor)) for name, minor in rows)
+    assert len(table) == 4322
+    # The values NVIDIA's documentation and tools quote.
+    assert table["config"] == 1 and table["monitor"] == 2
+    assert table["gpu0/gi0/access"] == 3 and table["gpu0/gi0/ci0/access"] == 4 and table["gpu0/gi0/ci2/access"] == 6
+    assert table["gpu3/gi3/ci3/access"] == 439 and table["gpu6/gi11/ci7/access"] == 920
+    assert rows[-1] == ["gpu31/gi14/ci7/access", "4322"]
+    order = [name for name, _ in rows[2:11]]
+    assert order == ["gpu0/gi0/access"] + [f"gpu0/gi0/ci{ci}/access" for ci in range(8)]
+    for device in mig_host.mig_devices:
+        assert table[device.gi_cap] == device.gi_cap_minor
+        assert table[device.ci_cap] == device.ci_cap_minor
+    # More GPUs than the driver's 32 still get their rows.
+    assert mig.mig_minors(40).splitlines()[-1] == "gpu39/gi14/ci7/access 5402"
+
+
+def test_mig_capability_files(mig_host: FakeHost) -> None:
+    """mig/config, mig/monitor and one access file per existing GI and CI, in the driver's format and modes."""
+    caps = mig_host.capabilities_dir
+    files = {str(p.relative_to(caps)): p for p in caps.rglob("*") if p.is_file()}
+    expected = {"mig/config": (1, 0o400), "mig/monitor": (2, 0o444)}
+    for device in mig_host.mig_devices:
+        expected[device.gi_proc_path] = (device.gi_cap_minor, 0o444)
+        expected[device.ci_proc_path] = (device.ci_cap_minor, 0o444)
+    assert sorted(files) == sorted(expected)
+    assert "gpu2/mig/gi0/ci0/access" in files and "gpu0/mig/gi8/access" in files
+    assert not any(name.startswith(("gpu1/", "gpu3/")) for name in files)
+    for name, (minor, mode) in expected.items():
+        assert files[name].read_text() == f"DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n"
+        assert stat.S_IMODE(files[name].stat().st_mode) == mode, name
+
+
+def test_mig_device_nodes(mig_host: FakeHost) -> None:
+    """/dev/nvidia-caps: config (0400), monitor and every existing GI/CI access cap (0444), nvidia-caps major."""
+    nodes = char_devices(mig_host.root / "dev")
+    caps = {name: numbers for name, numbers in nodes.items() if name.startswith("nvidia-caps/")}
+    expected = {"nvidia-caps/nvidia-cap1": (510, 1, 0o400), "nvidia-caps/nvidia-cap2": (510, 2, 0o444)}
+    for device in mig_host.mig_devices:
+        for minor in (device.gi_cap_minor, device.ci_cap_minor):
+            expected[f"nvidia-caps/nvidia-cap{minor}"] = (mig_host.caps_major, minor, 0o444)
+    assert caps == expected
+    assert {name: numbers for name, numbers in nodes.items() if name not in caps} == base_devices(mig_host)
+    assert sorted(minor for _, minor, _ in caps.values()) == [1, 2, 12, 13, 30, 31, 66, 67, 75, 76, 273, 274]
+
+
+_MIG_REPORT = """
+E = pynvml
+nvml(E.nvmlInit)
+out["count"] = nvml(E.nvmlDeviceGetCount)
+out["gpus"] = []
+for i in range(out["count"]):
+    h = nvml(E.nvmlDeviceGetHandleByIndex, i)
+    gpu = {
+        "mode": nvml(E.nvmlDeviceGetMigMode, h),
+        "max": nvml(E.nvmlDeviceGetMaxMigDeviceCount, h),
+        "is_mig": nvml(E.nvmlDeviceIsMigDeviceHandle, h).value,
+        "gi_of_gpu": code(E.nvmlDeviceGetGpuInstanceId, h),
+        "ci_of_gpu": code(E.nvmlDeviceGetComputeInstanceId, h),
+        "parent_of_gpu": code(E.nvmlDeviceGetDeviceHandleFromMigDeviceHandle, h),
+        "slots": [code(E.nvmlDeviceGetMigDeviceHandleByIndex, h, j) for j in range(8)],
+        "migs": [],
+    }
+    for j in range(gpu["max"]):
+        try:
+            m = nvml(E.nvmlDeviceGetMigDeviceHandleByIndex, h, j)
+        except E.NVMLError_NotFound:
+            continue
+        uuid = nvml(E.nvmlDeviceGetUUID, m)
+        gi = nvml(E.nvmlDeviceGetGpuInstanceId, m)
+        ci = nvml(E.nvmlDeviceGetComputeInstanceId, m)
+        parent = nvml(E.nvmlDeviceGetDeviceHandleFromMigDeviceHandle, m)
+        legacy = "MIG-" + nvml(E.nvmlDeviceGetUUID, h) + f"/{gi}/{ci}"
+        mem = nvml(E.nvmlDeviceGetMemoryInfo, m)
+        gpu["migs"].append({
+            "slot": j,
+            "uuid": uuid,
+            "is_mig": nvml(E.nvmlDeviceIsMigDeviceHandle, m).value,
+            "gi": gi,
+            "ci": ci,
+            "name": nvml(E.nvmlDeviceGetName, m),
+            "memory": [mem.total, mem.free, mem.used],
+            "memory_v2": nvml(E.nvmlDeviceGetMemoryInfo, m, E.nvmlMemory_v2).total,
+            "cc": nvml(E.nvmlDeviceGetCudaComputeCapability, m),
+            "brand": nvml(E.nvmlDeviceGetBrand, m),
+            "parent_index": nvml(E.nvmlDeviceGetIndex, parent),
+            "parent_uuid": nvml(E.nvmlDeviceGetUUID, parent),
+            "by_uuid": nvml(E.nvmlDeviceGetUUID, nvml(E.nvmlDeviceGetHandleByUUID, uuid)),
+            "by_legacy_uuid": nvml(E.nvmlDeviceGetUUID, nvml(E.nvmlDeviceGetHandleByUUID, legacy)),
+            "gpu_only": [
+                code(E.nvmlDeviceGetMinorNumber, m),
+                code(E.nvmlDeviceGetIndex, m),
+                code(E.nvmlDeviceGetPciInfo, m),
+                code(E.nvmlDeviceGetPersistenceMode, m),
+                code(E.nvmlDeviceGetMigMode, m),
+            ],
+            "wrong_kind": [
+                code(E.nvmlDeviceGetMaxMigDeviceCount, m),
+                code(E.nvmlDeviceGetMigDeviceHandleByIndex, m, 0),
+            ],
+        })
+    out["gpus"].append(gpu)
+out["unknown"] = [
+    code(E.nvmlDeviceGetHandleByUUID, "MIG-00000000-0000-0000-0000-000000000000"),
+    code(E.nvmlDeviceGetHandleByUUID, "MIG-" + out["gpus"][0]["migs"][0]["parent_uuid"] + "/14/0"),
+    code(E.nvmlDeviceGetHandleByUUID, "MIG-" + out["gpus"][0]["migs"][0]["parent_uuid"] + "/1/0/"),
+    code(E.nvmlDeviceGetHandleByUUID, "MIG-GPU-nonsense/1/0"),
+]
+nvml(E.nvmlShutdown)
+"""
+
+
+def test_pynvml_sees_mig_devices(mig_host: FakeHost) -> None:
+    """MIG mode, MIG device handles and their identities through pynvml, with exact call counting."""
+    got = run_nvml(mig_host.nvml_library, _MIG_REPORT)
+    invalid, not_found = pynvml.NVML_ERROR_INVALID_ARGUMENT, pynvml.NVML_ERROR_NOT_FOUND
+    not_supported = pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert got["count"] == GPUS  # MIG devices are not counted as GPUs
+    enabled = [pynvml.NVML_DEVICE_MIG_ENABLE] * 2
+    assert [g["mode"] for g in got["gpus"]] == [enabled, [pynvml.NVML_DEVICE_MIG_DISABLE] * 2, enabled, enabled]
+    assert [g["max"] for g in got["gpus"]] == [7, 0, 7, 7]
+    for gpu in got["gpus"]:
+        assert gpu["is_mig"] == 0
+        assert [gpu["gi_of_gpu"], gpu["ci_of_gpu"], gpu["parent_of_gpu"]] == [invalid] * 3
+    assert got["gpus"][0]["slots"] == [0] * 4 + [not_found] * 3 + [invalid]
+    assert got["gpus"][1]["slots"] == [invalid] * 8  # MIG off: there are no slots
+    assert got["gpus"][2]["slots"] == [0] + [not_found] * 6 + [invalid]
+    assert got["gpus"][3]["slots"] == [not_found] * 7 + [invalid]
+    seen = [(g_index, m) for g_index, g in enumerate(got["gpus"]) for m in g["migs"]]
+    assert len(seen) == len(mig_host.mig_devices)
+    for (g_index, m), device in zip(seen, mig_host.mig_devices, strict=True):
+        parent = mig_host.gpus[device.parent_index]
+        assert (g_index, m["slot"]) == (device.parent_index, device.index)
+        assert m["uuid"] == m["by_uuid"] == m["by_legacy_uuid"] == device.uuid
+        assert (m["is_mig"], m["gi"], m["ci"]) == (1, device.gi, device.ci)
+        assert m["name"] == device.name == f"NVIDIA H100 80GB HBM3 MIG {device.profile}"
+        assert m["memory"] == [device.memory_total, device.memory_total, 0]
+        assert m["memory_v2"] == device.memory_total
+        assert (m["cc"], m["brand"]) == ([9, 0], pynvml.NVML_BRAND_TESLA)
+        assert (m["parent_index"], m["parent_uuid"]) == (parent.index, parent.uuid)
+        assert m["gpu_only"] == [not_supported] * 5
+        assert m["wrong_kind"] == [invalid] * 2
+    assert got["unknown"] == [not_found] * 4
+    assert logged_calls(mig_host, got["pid"]) == [got["made"]]
+
+
+def test_nvidia_smi_lists_mig_devices(mig_host: FakeHost) -> None:
+    """nvidia-smi -L indents each GPU's MIG devices under it, as the real one does."""
+    listing = subprocess.run(
+        [mig_host.root / "usr/bin/nvidia-smi", "-L"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    migs = {(m.parent_index, m.index): m for m in mig_host.mig_devices}
+    expected = []
+    for gpu in mig_host.gpus:
+        expected.append(f"GPU {gpu.index}: {gpu.name} (UUID: {gpu.uuid})")
+        expected += [
+            f"  MIG {m.profile:<11} Device {m.index:2d}: (UUID: {m.uuid})"
+            for (parent, _), m in migs.items()
+            if parent == gpu.index
+        ]
+    assert listing == expected
+    assert listing[1] == f"  MIG 3g.40gb     Device  0: (UUID: {mig_host.mig_devices[0].uuid})"
