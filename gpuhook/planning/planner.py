@@ -29,8 +29,9 @@ CUDA_COMPAT_DIR = "/usr/local/cuda/compat"
 _DEV_SYMLINKS = (
     ("libcuda.so", "libcuda.so.1"),
     ("libnvidia-opticalflow.so", "libnvidia-opticalflow.so.1"),
-    # GLVND's indirect-rendering entry point (nvc_mount.c symlink_libraries).
-    ("libGLX_indirect.so.0", "libGLX_nvidia.so.0"),
+    # GLVND's indirect-rendering entry point, to the versioned file (nvc_mount.c symlink_libraries): a link
+    # to libGLX_nvidia.so.0 would dangle until ldconfig makes that, and ldconfig deletes dangling lib links.
+    ("libGLX_indirect.so.0", "libGLX_nvidia.so.{version}"),
 )
 
 
@@ -158,9 +159,9 @@ def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan
               + _configs(inventory, caps))
     mounted = {m.target for m in libraries}
     symlinks = tuple(
-        Symlink(path=container_path(target.libs_dir, link), target=dest)
+        Symlink(path=container_path(target.libs_dir, link), target=dest.format(version=inventory.driver_version))
         for link, dest in _DEV_SYMLINKS
-        # only when the library the link points at is injected (libGLX_nvidia.so.<version> for the GLX one)
+        # only when the library the link points at is injected
         if any(t.startswith(container_path(target.libs_dir, dest.split(".so")[0]) + ".so.") for t in mounted)
     )
     return Plan(

@@ -78,3 +78,41 @@ def test_cuda_forward_compatibility(make_container: MakeContainer, version: str,
     assert result.returncode == 0, result.stderr
     assert f"dlopen libcuda.so.1: OK {expected}" in result.stdout
     assert ("/usr/local/cuda/compat" in result.stdout.splitlines()[-1]) is expected.startswith("/usr/local")
+
+
+def test_all_capabilities_bring_every_file(make_container: MakeContainer) -> None:
+    """capabilities=all: every capability's libraries, the Vulkan/EGL/OpenCL config files, modeset, GLX link."""
+    script = ("dltest libcuda.so.1 libnvidia-encode.so.1 libGLX_nvidia.so.0 libEGL_nvidia.so.0 libnvidia-ngx.so.1 "
+              "libnvidia-ml.so.1; cat /usr/share/vulkan/icd.d/nvidia_icd.json /usr/share/glvnd/egl_vendor.d/10_nvidia.json "
+              "/etc/OpenCL/vendors/nvidia.icd; readlink /usr/lib/x86_64-linux-gnu/libGLX_indirect.so.0; "
+              "devopen /dev/nvidia-modeset")
+    result = make_container(script, {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "all"}).run()
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count(": OK") == 6, out
+    assert '"libGLX_nvidia.so.0"' in out and '"libEGL_nvidia.so.0"' in out  # the Vulkan ICD and EGL vendor files
+    assert "libnvidia-opencl.so.1" in out and "libGLX_nvidia.so.550.54.15\n" in out
+    assert "/dev/nvidia-modeset ENXIO" in out
+
+
+def test_compute_only_gets_no_graphics_files(make_container: MakeContainer) -> None:
+    """compute,utility: no Vulkan ICD, no graphics libraries, no modeset node."""
+    script = "ls /usr/share/vulkan 2>&1; dltest libGLX_nvidia.so.0; ls /dev/nvidia-modeset 2>&1; true"
+    result = make_container(script, {"NVIDIA_VISIBLE_DEVICES": "0"}).run()
+    assert "No such file" in result.stdout and "dlopen libGLX_nvidia.so.0: FAIL" in result.stdout
+
+
+def test_imex_channel_and_gated_devices(make_container: MakeContainer) -> None:
+    """NVIDIA_IMEX_CHANNELS=2 and NVIDIA_GDS/NVIDIA_MOFED=enabled: exactly those nodes, allowed in the cgroup."""
+    env = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_IMEX_CHANNELS": "2", "NVIDIA_GDS": "enabled",
+           "NVIDIA_MOFED": "enabled"}
+    script = ("ls /dev/nvidia-caps-imex-channels; devopen /dev/nvidia-caps-imex-channels/channel2 /dev/nvidia-fs0 "
+              "/dev/infiniband/uverbs0 /dev/gdrdrv")
+    result = make_container(script, env).run()
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.splitlines()[0] == "channel2"
+    assert "/dev/nvidia-caps-imex-channels/channel2 ENXIO" in out and "/dev/nvidia-fs0 ENXIO" in out
+    assert "/dev/infiniband/uverbs0 ENXIO" in out and "/dev/gdrdrv ENOENT" in out
+    refused = make_container("true", {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_IMEX_CHANNELS": "9"}).run()
+    assert refused.returncode != 0 and "channel 9" in refused.stderr
