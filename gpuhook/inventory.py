@@ -87,6 +87,8 @@ class Inventory:
     firmware: tuple[DriverFile, ...]
     ipc: tuple[DriverFile, ...]
     proc_driver: ProcDriver | None = None
+    #: the 32-bit copies of the libraries (i386 on x86_64), for compat32
+    libraries32: tuple[DriverFile, ...] = ()
     #: config files the driver installs (Vulkan ICD, EGL vendor, OpenCL ICD); name = path in the container
     configs: tuple[DriverFile, ...] = ()
     #: IMEX channels and the feature-gated devices (GDS, MOFED, NVSwitch, GDRCopy); read fresh on each
@@ -117,6 +119,7 @@ class Inventory:
             "firmware": [_file_dict(f) for f in self.firmware],
             "ipc": [_file_dict(f) for f in self.ipc],
             "configs": [_file_dict(f) for f in self.configs],
+            "libraries32": [_file_dict(f) for f in self.libraries32],
             "mig_devices": [{"parent_index": m.parent_index, "index": m.index, "uuid": m.uuid, "gi": m.gi,
                              "ci": m.ci, "name": m.name} for m in self.mig_devices],
             "mig_minors": [[name, minor] for name, minor in self.mig_minors],
@@ -143,6 +146,7 @@ class Inventory:
             firmware=_items(data, "firmware", _file),
             ipc=_items(data, "ipc", _file),
             configs=_items(data, "configs", _file),
+            libraries32=_items(data, "libraries32", _file),
             mig_devices=_items(data, "mig_devices", _mig),
             mig_minors=_items(data, "mig_minors", _name_and_minor),
             caps_nodes=_items(data, "caps_nodes", _device),

@@ -13,7 +13,7 @@ from gpuhook.cli.bundle import read_spec as read_spec  # noqa: PLC0414 - re-expo
 from gpuhook.config import Config, load_config, resolve_config_path
 from gpuhook.errors import SpecError
 from gpuhook.oci.spec import BundleSpec
-from gpuhook.planning.paths import libs_dir
+from gpuhook.planning.paths import libs32_dir, libs_dir
 from gpuhook.discovery.host import extra_nodes
 from gpuhook.inventory import Inventory
 from gpuhook.planning.planner import Target
@@ -62,8 +62,10 @@ def is_debian_like(rootfs: Path) -> bool:
 
 def make_target(spec: BundleSpec, config: Config) -> Target:
     """Placement facts for this container."""
+    debian_like, machine = is_debian_like(spec.rootfs), os.uname().machine
     return Target(
-        libs_dir=libs_dir(debian_like=is_debian_like(spec.rootfs), machine=os.uname().machine),
+        libs_dir=libs_dir(debian_like=debian_like, machine=machine),
+        libs32_dir=libs32_dir(debian_like=debian_like, machine=machine),
         manage_cgroups=not config.no_cgroups,
         cuda_compat=config.cuda_compat,
         runtime_devices=spec.runtime_devices,

@@ -19,6 +19,9 @@ from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, ProcDriver
 #: Where libraries live when the driver root has no ld.so.cache (e.g. /usr/local/nvidia on
 #: cloud GPU images has lib64/ and bin/ only); NVIDIA's locator searches the same dirs.
 LIBRARY_DIRS: Final = ("usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu", "usr/lib64", "lib64", "usr/lib", "lib")
+LIBRARY32_DIRS: Final = ("usr/lib/i386-linux-gnu", "usr/lib/arm-linux-gnueabihf", "usr/lib32", "lib32")
+#: The 32-bit architecture beside each 64-bit one (compat32); ppc64le has none.
+_COMPAT32_ARCH: Final = {"x86_64": "i386", "aarch64": "armhf"}
 BINARY_DIRS: Final = ("usr/bin", "bin", "usr/sbin", "sbin")
 PROC_DRIVER_FILES: Final = ("version", "params", "registry")
 _MACHINE_ARCH: Final = {"x86_64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
@@ -35,7 +38,9 @@ class HostDiscoverer:
         from gpuhook.discovery.nvml import read_nvml
 
         driver = HostRoot(self.config.driver_root)
-        libraries = _library_index(driver)
+        machine = os.uname().machine  # not platform.machine(): importing platform costs ~2 ms per start
+        arch = _MACHINE_ARCH.get(machine, machine)
+        libraries = _library_index(driver, arch, LIBRARY_DIRS)
         nvml = libraries.get("libnvidia-ml.so.1")
         if nvml is None:
             raise DiscoveryError(
@@ -56,6 +61,9 @@ class HostDiscoverer:
             gpu_nodes=tuple(n for g in facts.gpus if (n := _gpu_node(devices, g)) is not None),
             control_nodes=_control_nodes(devices, majors),
             libraries=_driver_libraries(libraries, facts.driver_version),
+            libraries32=_driver_libraries(
+                _library_index(driver, _COMPAT32_ARCH.get(arch, ""), LIBRARY32_DIRS), facts.driver_version
+            ),
             binaries=tuple(f for name in catalog.ALL_BINARIES if (f := _binary(driver, name)) is not None),
             firmware=_firmware(driver, facts.driver_version),
             ipc=tuple(f for rel in catalog.IPC_SOCKETS if (f := _socket(driver, rel)) is not None),
@@ -64,10 +72,10 @@ class HostDiscoverer:
         )
 
 
-def _library_index(root: HostRoot) -> dict[str, Path]:
-    """SONAME → resolved host path of the driver root's libraries for this machine."""
-    machine = os.uname().machine  # not platform.machine(): importing platform costs ~2 ms per start
-    arch = _MACHINE_ARCH.get(machine, machine)
+def _library_index(root: HostRoot, arch: str, fallback_dirs: tuple[str, ...]) -> dict[str, Path]:
+    """SONAME → resolved host path of the driver root's libraries for *arch* (ld.so.cache, else *fallback_dirs*)."""
+    if not arch:
+        return {}
     cache = root.read_bytes("etc/ld.so.cache")
     index: dict[str, Path] = {}
     if cache is not None:
@@ -77,13 +85,23 @@ def _library_index(root: HostRoot) -> dict[str, Path]:
                 if found is not None and stat.S_ISREG(found[1].st_mode):
                     index[entry.key] = found[0]
         return index
-    for directory in LIBRARY_DIRS:
+    # No cache (a driver folder like /usr/local/nvidia with lib64/ and a 32-bit lib/): search the dirs,
+    # keeping only ELF files of the wanted word size.
+    elf_class = b"\x01" if arch in _COMPAT32_ARCH.values() else b"\x02"
+    for directory in fallback_dirs:
         for name in root.listdir(directory):
             if name.startswith(catalog.ALL_LIBRARY_PREFIXES) and name not in index:
                 found = root.resolve(f"{directory}/{name}")
-                if found is not None and stat.S_ISREG(found[1].st_mode):
+                if found is not None and stat.S_ISREG(found[1].st_mode) and _elf_class(found[0]) == elf_class:
                     index[name] = found[0]
     return index
+
+
+def _elf_class(path: Path) -> bytes:
+    """EI_CLASS of an ELF file (b"\\x01" 32-bit, b"\\x02" 64-bit), or b"" for anything else."""
+    with open(path, "rb") as handle:
+        ident = handle.read(5)
+    return ident[4:5] if ident[:4] == b"\x7fELF" else b""
 
 
 def _is_driver_library(entry: LdCacheEntry) -> bool:

@@ -21,6 +21,16 @@ def libs_dir(*, debian_like: bool, machine: str) -> str:
     return "/usr/lib64"
 
 
+_MULTIARCH32: Final = {"x86_64": "i386-linux-gnu", "aarch64": "arm-linux-gnueabihf", "arm64": "arm-linux-gnueabihf"}
+
+
+def libs32_dir(*, debian_like: bool, machine: str) -> str:
+    """Where the 32-bit (compat32) libraries go: the 32-bit multiarch dir, else /usr/lib32."""
+    if debian_like and machine in _MULTIARCH32:
+        return f"/usr/lib/{_MULTIARCH32[machine]}"
+    return "/usr/lib32"
+
+
 def container_path(*parts: str) -> str:
     """Join *parts* into an absolute, normalised container path; refuses '..' and NUL."""
     path = PurePosixPath("/", *parts)

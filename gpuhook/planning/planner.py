@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from gpuhook import catalog
 from gpuhook.errors import DiscoveryError, RequestError
-from gpuhook.inventory import Gpu, HostDevice, Inventory, MigDevice
+from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, MigDevice
 from gpuhook.planning.paths import BIN_DIR, container_path
 from gpuhook.planning.plan import (
     BindMount,
@@ -40,6 +40,7 @@ class Target:
     """Facts about the container that placement depends on."""
 
     libs_dir: str
+    libs32_dir: str = "/usr/lib32"
     manage_cgroups: bool = True
     #: look for the image's CUDA forward-compatibility libraries (config ``cuda_compat``)
     cuda_compat: bool = True
@@ -154,9 +155,11 @@ def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan
     caps = request.capabilities
     skipped = list(device_plan.skipped)
     devices = tuple(d for d in device_plan.devices if (d.major, d.minor) not in target.runtime_devices)
-    libraries = _libraries(inventory, caps, target.libs_dir, skipped)
-    mounts = (libraries + _binaries(inventory, caps, skipped) + _firmware(inventory, caps) + _ipc(inventory, caps)
-              + _configs(inventory, caps))
+    libraries = _libraries(inventory.libraries, caps, target.libs_dir, skipped)
+    libraries32 = (_libraries(inventory.libraries32, caps, target.libs32_dir, skipped, bits="32-bit ")
+                   if Capability.COMPAT32 in caps else ())
+    mounts = (libraries + libraries32 + _binaries(inventory, caps, skipped) + _firmware(inventory, caps)
+              + _ipc(inventory, caps) + _configs(inventory, caps))
     mounted = {m.target for m in libraries}
     symlinks = tuple(
         Symlink(path=container_path(target.libs_dir, link), target=dest.format(version=inventory.driver_version))
@@ -171,7 +174,8 @@ def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan
         symlinks=symlinks,
         proc_driver=_proc_driver(inventory, device_plan, skipped),
         cgroup_rules=tuple(CgroupRule(major=d.major, minor=d.minor) for d in devices) if target.manage_cgroups else (),
-        ldconfig=Ldconfig(dirs=(target.libs_dir,)) if libraries else None,
+        ldconfig=(Ldconfig(dirs=(target.libs_dir, *((target.libs32_dir,) if libraries32 else ())))
+                  if libraries or libraries32 else None),
         cuda_compat=_cuda_compat(inventory, caps, target),
         skipped=tuple(skipped),
     )
@@ -212,14 +216,15 @@ def _control_devices(
 
 
 def _libraries(
-    inventory: Inventory, caps: frozenset[Capability], libs_dir: str, skipped: list[Skipped]
+    libraries: tuple[DriverFile, ...], caps: frozenset[Capability], libs_dir: str, skipped: list[Skipped],
+    bits: str = "",
 ) -> tuple[BindMount, ...]:
     """The driver libraries of *caps*, into the container's libs dir."""
     out = []
     for prefix in catalog.library_prefixes(caps):
-        found = [f for f in inventory.libraries if f.name.startswith(prefix + ".")]
+        found = [f for f in libraries if f.name.startswith(prefix + ".")]
         if not found:
-            skipped.append(Skipped(what=prefix, reason="not in the driver's libraries"))
+            skipped.append(Skipped(what=f"{bits}{prefix}", reason="not in the driver's libraries"))
         out += [BindMount(source=str(f.host_path), target=container_path(libs_dir, f.name)) for f in found]
     return tuple(out)
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LIB_DIR = "usr/lib/x86_64-linux-gnu"
+#: The 32-bit (i386) copies NVIDIA's installer puts beside the 64-bit ones, for NVIDIA_DRIVER_CAPABILITIES=compat32.
+LIB32_DIR = "usr/lib/i386-linux-gnu"
 MOCK_NVML_SOURCE = Path(__file__).with_name("mocknvml.c")
 
 # Marks a SONAME whose suffix is the full driver version (libnvidia-glcore.so.550.54.15).
@@ -152,11 +154,29 @@ def _build_mock_nvml(gcc: str, driver: str, lib_dir: Path) -> None:
     )
 
 
+def _build_placeholder32(gcc: str, lib: DriverLibrary, driver: str, lib_dir: Path, libc: Path) -> None:
+    """Compiles one 32-bit placeholder, linked against a stub libc so ldconfig files it as i386 libc6.
+
+    Without a 32-bit libc (no gcc-multilib here) the library is linked with -nostdlib; the
+    DT_NEEDED on libc.so.6 is what makes ldconfig record it as "libc6" rather than plain "ELF".
+    """
+    out = lib_dir / lib.file_name(driver)
+    argv = [gcc, "-m32", "-shared", "-fPIC", "-nostdlib", f"-Wl,-soname,{lib.soname(driver)}", "-o", str(out),
+            "-x", "c", "-", "-x", "none", "-Wl,--no-as-needed", str(libc)]
+    _run(argv, stdin=_placeholder_source(lib, driver))
+
+
 def build_libraries(root: Path, driver: str) -> None:
-    """Builds every driver library into root's lib dir, in parallel."""
+    """Builds every driver library into root's lib dir (and the 32-bit ones into LIB32_DIR), in parallel."""
     gcc = _gcc()
     lib_dir = root / LIB_DIR
     lib_dir.mkdir(parents=True, exist_ok=True)
+    lib32_dir = root / LIB32_DIR
+    lib32_dir.mkdir(parents=True, exist_ok=True)
+    libc32 = root / ".build" / "libc.so.6"
+    libc32.parent.mkdir()
+    _run([gcc, "-m32", "-shared", "-fPIC", "-nostdlib", "-Wl,-soname,libc.so.6", "-o", str(libc32), "-x", "c", "-"],
+         stdin="int gpuhook_fake_libc32;\n")
     # One gcc per library is ~25 ms of mostly process start-up; running them
     # side by side keeps a whole host build well under a second.
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
@@ -166,14 +186,16 @@ def build_libraries(root: Path, driver: str) -> None:
             for lib in DRIVER_LIBRARIES
             if lib != NVML_LIBRARY
         ]
+        futures += [pool.submit(_build_placeholder32, gcc, lib, driver, lib32_dir, libc32) for lib in DRIVER_LIBRARIES]
         for future in futures:
             future.result()
+    shutil.rmtree(libc32.parent)
 
 
 def run_ldconfig(root: Path) -> None:
     """Writes root/etc/ld.so.cache and the SONAME links, as the driver installer would."""
     (root / "etc").mkdir(parents=True, exist_ok=True)
-    (root / "etc" / "ld.so.conf").write_text(f"/{LIB_DIR}\n")
+    (root / "etc" / "ld.so.conf").write_text(f"/{LIB_DIR}\n/{LIB32_DIR}\n")
     ldconfig = "/sbin/ldconfig" if Path("/sbin/ldconfig").exists() else shutil.which("ldconfig")
     if ldconfig is None:
         raise BuildError("ldconfig is required to build the simulated host's ld.so.cache")

@@ -116,3 +116,17 @@ def test_imex_channel_and_gated_devices(make_container: MakeContainer) -> None:
     assert "/dev/infiniband/uverbs0 ENXIO" in out and "/dev/gdrdrv ENOENT" in out
     refused = make_container("true", {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_IMEX_CHANNELS": "9"}).run()
     assert refused.returncode != 0 and "channel 9" in refused.stderr
+
+
+def test_compat32_mounts_the_i386_libraries(make_container: MakeContainer) -> None:
+    """compat32: the driver's 32-bit libraries go to /usr/lib/i386-linux-gnu and into the container's ld.so.cache."""
+    script = "ls /usr/lib/i386-linux-gnu | grep -c 'libcuda.so.550.54.15'; /sbin/ldconfig -p | grep 'libcuda.so.1 '"
+    result = make_container(script, {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "compute,compat32"}
+                            ).run()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "1"
+    assert "libcuda.so.1 (libc6) => /usr/lib/i386-linux-gnu/libcuda.so.1" in result.stdout
+    assert "libcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1" in result.stdout
+    without = make_container("ls /usr/lib/i386-linux-gnu | grep -c libcuda; true", {"NVIDIA_VISIBLE_DEVICES": "0"}
+                             ).run()
+    assert without.stdout.splitlines()[0] == "0"

@@ -155,7 +155,7 @@ def test_placeholder_libraries_load_and_name_themselves(host: FakeHost) -> None:
 
 def test_ld_so_cache_maps_every_soname(host: FakeHost) -> None:
     """The host's own ld.so.cache resolves each SONAME to a root-relative path."""
-    assert (host.root / "etc/ld.so.conf").read_text() == "/usr/lib/x86_64-linux-gnu\n"
+    assert (host.root / "etc/ld.so.conf").read_text() == "/usr/lib/x86_64-linux-gnu\n/usr/lib/i386-linux-gnu\n"
     listing = subprocess.run(
         ["/sbin/ldconfig", "-p", "-C", str(host.ld_cache)], capture_output=True, text=True, check=True
     ).stdout
@@ -164,6 +164,9 @@ def test_ld_so_cache_maps_every_soname(host: FakeHost) -> None:
         soname = lib.soname(host.driver_version)
         assert cached.get(soname) == f"/usr/lib/x86_64-linux-gnu/{soname}", listing
     assert cached["libcuda.so.1"] == "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+    # The 32-bit copies are filed as i386 libc6 (plain "libc6", no arch tag), as NVIDIA's really are.
+    cached32 = dict(re.findall(r"^\s+(\S+) \(libc6\) => (\S+)$", listing, re.MULTILINE))
+    assert cached32["libcuda.so.1"] == "/usr/lib/i386-linux-gnu/libcuda.so.1"
     # ldconfig also made the SONAME links, pointing at the versioned files.
     assert os.readlink(host.lib_dir / "libcuda.so.1") == f"libcuda.so.{host.driver_version}"
     assert os.readlink(host.lib_dir / "libnvidia-ml.so.1") == f"libnvidia-ml.so.{host.driver_version}"
