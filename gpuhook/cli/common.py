@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gpuhook import linux
-from gpuhook.cli.bundle import read_spec as read_spec  # noqa: PLC0414 - re-export; it lives in cli.bundle
 from gpuhook.config import Config, load_config, resolve_config_path
 from gpuhook.errors import SpecError
 from gpuhook.oci.spec import BundleSpec

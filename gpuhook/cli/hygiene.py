@@ -5,7 +5,8 @@
   they cannot be undone here; finding one means the registration is unsafe,
   and the hook refuses rather than carry on as if nothing happened.
 * The working directory is the bundle (runc) or the rootfs (createContainer
-  stages); nothing may depend on it, so the hook moves to ``/`` first.
+  stages); nothing may depend on it: the fast path only opens absolute paths,
+  and the GPU path moves to ``/`` before anything else.
 * Inherited descriptors are marked close-on-exec so no helper inherits them.
 """
 
