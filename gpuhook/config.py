@@ -23,6 +23,7 @@ from gpuhook.errors import ConfigError
 DEFAULT_PATH: Final = Path("/etc/gpuhook/config.yaml")
 ENV_VAR: Final = "GPUHOOK_CONFIG"
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+HEALTH_POLICIES: Final = ("refuse", "warn", "ignore")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +51,8 @@ class Config:
     accept_volume_mounts: bool = False
     #: leave the device cgroup alone (rootless, or when the runtime already allows the devices)
     no_cgroups: bool = False
+    #: a selected GPU with a critical Xid or pending memory repairs: "refuse", "warn" or "ignore"
+    unhealthy_gpus: str = "refuse"
     #: use the image's /usr/local/cuda/compat libraries when they are newer than the host driver
     cuda_compat: bool = True
     #: the longest the privileged step (mounts, nodes, ldconfig) may take
@@ -110,6 +113,7 @@ _SCALARS: Final[dict[str, Any]] = {
     "": None, "~": None, "null": None, "Null": None, "NULL": None,
     "true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False,
     **{level: level for level in LOG_LEVELS},
+    **{policy: policy for policy in HEALTH_POLICIES},
 }
 
 
@@ -153,6 +157,10 @@ def _convert(key: str, value: Any, source: str) -> Any:
     if key in _BOOL_KEYS:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if key == "unhealthy_gpus":
+        if value not in HEALTH_POLICIES:
+            raise ConfigError(f"{where} must be one of {', '.join(HEALTH_POLICIES)}, got {value!r}")
         return value
     if key == "log_level":
         if value not in LOG_LEVELS:

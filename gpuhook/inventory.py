@@ -20,6 +20,12 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def bus_key(pci_bus_id: str) -> str:
+    """NVML's ``00000000:18:00.0`` or the kernel log's ``0000:18:00`` as one comparable key: ``0:18:00``."""
+    domain, bus, device = pci_bus_id.split(".", 1)[0].split(":")
+    return f"{int(domain, 16):x}:{bus.lower()}:{device.lower()}"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Gpu:
     """One physical GPU as NVML enumerates it."""
@@ -31,6 +37,8 @@ class Gpu:
     model: str
     brand: str = ""
     arch: str = ""
+    #: problems NVML reported when the inventory was built (retired pages or row remapping pending/failed)
+    health: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,6 +107,8 @@ class Inventory:
     mig_minors: tuple[tuple[str, int], ...] = ()
     #: /dev/nvidia-caps/nvidia-capN nodes (name "nvidia-caps/nvidia-capN")
     caps_nodes: tuple[HostDevice, ...] = ()
+    #: critical Xid errors in the kernel log, per PCI bus id ("0000:18:00"); read fresh, never cached
+    xid_errors: tuple[tuple[str, int], ...] = ()
 
     def gpu_node(self, minor: int) -> HostDevice | None:
         """The host's /dev/nvidia<minor>, if it exists."""
@@ -111,7 +121,8 @@ class Inventory:
             "driver_version": self.driver_version,
             "cuda_version": self.cuda_version,
             "gpus": [{"index": g.index, "uuid": g.uuid, "minor": g.minor, "pci_bus_id": g.pci_bus_id,
-                      "model": g.model, "brand": g.brand, "arch": g.arch} for g in self.gpus],
+                      "model": g.model, "brand": g.brand, "arch": g.arch, "health": list(g.health)}
+                     for g in self.gpus],
             "gpu_nodes": [_device_dict(n) for n in self.gpu_nodes],
             "control_nodes": [_device_dict(n) for n in self.control_nodes],
             "libraries": [_file_dict(f) for f in self.libraries],
@@ -212,7 +223,8 @@ def _gpu(data: Any) -> Gpu:
     """A Gpu entry."""
     return Gpu(index=_get(data, "index", int), uuid=_get(data, "uuid", str), minor=_get(data, "minor", int),
                pci_bus_id=_get(data, "pci_bus_id", str), model=_get(data, "model", str),
-               brand=_get(data, "brand", str), arch=_get(data, "arch", str))
+               brand=_get(data, "brand", str), arch=_get(data, "arch", str),
+               health=_items(data, "health", _str))
 
 
 def _device(data: Any) -> HostDevice:

@@ -13,6 +13,7 @@ from gpuhook.config import Config, load_config, resolve_config_path
 from gpuhook.errors import SpecError
 from gpuhook.oci.spec import BundleSpec
 from gpuhook.planning.paths import libs32_dir, libs_dir
+from gpuhook.discovery.health import read_xids
 from gpuhook.discovery.host import extra_nodes
 from gpuhook.inventory import Inventory
 from gpuhook.planning.planner import Target
@@ -67,12 +68,15 @@ def make_target(spec: BundleSpec, config: Config) -> Target:
         libs32_dir=libs32_dir(debian_like=debian_like, machine=machine),
         manage_cgroups=not config.no_cgroups,
         cuda_compat=config.cuda_compat,
+        unhealthy_gpus=config.unhealthy_gpus,
         runtime_devices=spec.runtime_devices,
     )
 
 
 def complete_inventory(inventory: Inventory, request: GpuRequest, config: Config) -> Inventory:
-    """Add the IMEX and feature-gated nodes when the request needs them (read fresh, never cached)."""
+    """Add what is read fresh on every start, never cached: IMEX/gated nodes when asked for, the Xid log."""
     if request.imex_channels or request.gated:
-        return dataclasses.replace(inventory, extra_nodes=extra_nodes(config.dev_root))
+        inventory = dataclasses.replace(inventory, extra_nodes=extra_nodes(config.dev_root))
+    if config.unhealthy_gpus != "ignore":
+        inventory = dataclasses.replace(inventory, xid_errors=read_xids(config.dev_root))
     return inventory

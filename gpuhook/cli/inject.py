@@ -57,6 +57,8 @@ def inject(
              cgroup_rules=len(plan.cgroup_rules))
     for skipped in plan.skipped:
         log.debug("skipped", what=skipped.what, reason=skipped.reason)
+    for warning in plan.warnings:
+        log.warning("plan_warning", message=warning)
     step = time.monotonic()
     container = ContainerRef(pid=state.pid, rootfs=spec.rootfs, rootfs_id=rootfs_identity(spec.rootfs))
     report = apply_plan(plan, container, ldconfig=config.ldconfig, timeout=config.timeout_seconds)

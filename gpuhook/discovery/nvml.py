@@ -87,6 +87,7 @@ def read_nvml(library: Path) -> NvmlFacts:
                 model=_text(_call(pynvml.nvmlDeviceGetName, handle)),
                 brand=brands.get(_call(pynvml.nvmlDeviceGetBrand, handle), "Unknown"),
                 arch=f"{major}.{minor}",
+                health=_health(handle),
             ))
         return NvmlFacts(
             driver_version=_text(_call(pynvml.nvmlSystemGetDriverVersion)),
@@ -95,6 +96,25 @@ def read_nvml(library: Path) -> NvmlFacts:
             gpus=tuple(gpus),
             mig_devices=tuple(migs),
         )
+
+
+def _health(handle: Any) -> tuple[str, ...]:
+    """What NVML says is wrong with a GPU's memory (features a GPU lacks are simply not reported)."""
+    problems = []
+    try:
+        if pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle) == pynvml.NVML_FEATURE_ENABLED:
+            problems.append("retired memory pages are pending (they apply at the next GPU reset or reboot)")
+    except pynvml.NVMLError_NotSupported:
+        pass
+    try:
+        _corrected, _uncorrected, pending, failed = pynvml.nvmlDeviceGetRemappedRows(handle)
+    except pynvml.NVMLError_NotSupported:
+        return tuple(problems)
+    if failed:
+        problems.append("memory row remapping failed (the GPU needs service)")
+    elif pending:
+        problems.append("memory row remapping is pending (reset the GPU to apply it)")
+    return tuple(problems)
 
 
 def _mig_devices(parent_index: int, handle: Any) -> list[MigDevice]:

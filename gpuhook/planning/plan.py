@@ -104,6 +104,8 @@ class Plan:
     ldconfig: Ldconfig | None
     cuda_compat: CudaCompat | None = None
     skipped: tuple[Skipped, ...] = ()
+    #: things the operator should know (an unhealthy GPU used under ``unhealthy_gpus: warn``)
+    warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready view (for ``gpuhook plan`` and the log)."""

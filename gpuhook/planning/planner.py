@@ -20,6 +20,7 @@ from gpuhook.planning.plan import (
     Skipped,
     Symlink,
 )
+from gpuhook.planning.health import check_health
 from gpuhook.planning.requirements import check_requirements
 from gpuhook.planning.select import Selection, select_devices
 from gpuhook.request.model import Capability, GpuRequest
@@ -44,6 +45,8 @@ class Target:
     manage_cgroups: bool = True
     #: look for the image's CUDA forward-compatibility libraries (config ``cuda_compat``)
     cuda_compat: bool = True
+    #: what to do with a selected unhealthy GPU: "refuse", "warn" (a Skipped entry) or "ignore"
+    unhealthy_gpus: str = "refuse"
     #: (major, minor) of nodes the runtime already creates and allows (spec-edit mode): left to it
     runtime_devices: frozenset[tuple[int, int]] = frozenset()
 
@@ -154,6 +157,7 @@ def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan
     gpus = device_plan.gpus
     caps = request.capabilities
     skipped = list(device_plan.skipped)
+    warnings = check_health(gpus, inventory, target.unhealthy_gpus)
     devices = tuple(d for d in device_plan.devices if (d.major, d.minor) not in target.runtime_devices)
     libraries = _libraries(inventory.libraries, caps, target.libs_dir, skipped)
     libraries32 = (_libraries(inventory.libraries32, caps, target.libs32_dir, skipped, bits="32-bit ")
@@ -178,6 +182,7 @@ def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan
                   if libraries or libraries32 else None),
         cuda_compat=_cuda_compat(inventory, caps, target),
         skipped=tuple(skipped),
+        warnings=warnings,
     )
 
 

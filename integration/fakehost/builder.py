@@ -82,6 +82,9 @@ class FakeHost:
     nvswitch_major: int = texts.NVSWITCH_MAJOR
     nvidia_fs_major: int = texts.NVIDIA_FS_MAJOR
     gdrdrv_major: int = texts.GDRDRV_MAJOR
+    #: GPU index → problems: "retired-pages", "row-remap-pending", "row-remap-failure" (NVML) and
+    #: "xid:<n>" (an NVRM Xid line in dev/kmsg, as the kernel log shows it)
+    unhealthy: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     @property
     def mig_enabled(self) -> bool:
@@ -205,7 +208,18 @@ def _write_driver_files(host: FakeHost) -> None:
         _write(
             root / "lib/firmware/nvidia" / driver / firmware, f"simulated GSP firmware {firmware} {driver}\n"
         )
-    _write(host.topology_path, render_topology(driver, host.cuda_version, host.gpus, host.mig_devices))
+    topology = render_topology(driver, host.cuda_version, host.gpus, host.mig_devices)
+    for index, problems in host.unhealthy:
+        flags = [int(kind in problems) for kind in ("retired-pages", "row-remap-pending", "row-remap-failure")]
+        topology += f"health {index} {flags[0]} {flags[1]} {flags[2]}\n"
+    _write(host.topology_path, topology)
+    # The kernel log as /dev/kmsg hands it out ("prio,seq,usec,flags;message"), with the driver's Xid lines.
+    records = ["6,1,1000,-;Linux version 6.18.44 (simulated)"]
+    for index, problems in host.unhealthy:
+        bus = host.gpus[index].pci_bus_id[4:-2].lower()  # NVRM prints PCI:0000:18:00
+        records += [f"3,{len(records) + 1},2000,-;NVRM: Xid (PCI:{bus}): {p[4:]}, pid=1234, name=python, "
+                    "Ch 00000008" for p in problems if p.startswith("xid:")]
+    _write(root / "dev/kmsg", "".join(r + "\n" for r in records))
     # World-writable so that unprivileged processes under test can log too.
     _write(host.calls_log_path, "", 0o666)
 
@@ -286,6 +300,22 @@ def _build(host: FakeHost) -> None:
     _write(host.config_path, texts.gpuhook_config(host.root))
 
 
+_HEALTH_KINDS = ("retired-pages", "row-remap-pending", "row-remap-failure")
+
+
+def _check_unhealthy(unhealthy: Mapping[int, Sequence[str]], gpus: int) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """Validate the unhealthy GPUs' problem names."""
+    out = []
+    for index, problems in sorted(unhealthy.items()):
+        if not 0 <= index < gpus:
+            raise FakeHostError(f"unhealthy GPU {index} does not exist (the host has {gpus})")
+        for problem in problems:
+            if problem not in _HEALTH_KINDS and not (problem.startswith("xid:") and problem[4:].isdigit()):
+                raise FakeHostError(f"unknown GPU problem {problem!r}; expected {', '.join(_HEALTH_KINDS)} or xid:<n>")
+        out.append((index, tuple(problems)))
+    return tuple(out)
+
+
 def create_host(
     dir: Path,
     *,
@@ -294,6 +324,7 @@ def create_host(
     cuda: str = DEFAULT_CUDA,
     model: str = DEFAULT_MODEL,
     mig: Mapping[int, Sequence[str] | str] | None = None,
+    unhealthy: Mapping[int, Sequence[str]] | None = None,
 ) -> FakeHost:
     """Builds a simulated GPU host in dir, which must be new or empty.
 
@@ -326,6 +357,7 @@ def create_host(
         caps_major=texts.CAPS_MAJOR,
         nvidia_major=texts.NVIDIA_MAJOR,
         mig_devices=mig_devices,
+        unhealthy=_check_unhealthy(unhealthy or {}, gpus),
     )
     existed = _prepare_root(root)
     try:

@@ -160,6 +160,10 @@ struct nvmlDevice_st {
     nvmlBrandType_t brand;
     int mig_mode;
     nvmlEnableState_t persistence;
+    /* Health, from an optional "health" record: retired pages pending, row remapping pending/failed. */
+    unsigned int retired_pending;
+    unsigned int remap_pending;
+    unsigned int remap_failure;
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
     /* A MIG device: its GPU (index into devices) and instance ids. */
     int is_mig;
@@ -338,6 +342,22 @@ static nvmlReturn_t parse_gpu(struct topology *topo, char *line, unsigned int li
     return NVML_SUCCESS;
 }
 
+/* Parses one "health <gpu-index> <retired-pending> <remap-pending> <remap-failure>" record (0/1 each). */
+static nvmlReturn_t parse_health(struct topology *topo, char *line, unsigned int lineno)
+{
+    unsigned int gpu, retired, pending, failure;
+    if (sscanf(line, "health %u %u %u %u", &gpu, &retired, &pending, &failure) != 4)
+        return topology_error(lineno, "malformed health record");
+    if (gpu >= topo->count)
+        return topology_error(lineno, "health record for an unknown gpu");
+    if (retired > 1 || pending > 1 || failure > 1)
+        return topology_error(lineno, "health flags must be 0 or 1");
+    topo->devices[gpu].retired_pending = retired;
+    topo->devices[gpu].remap_pending = pending;
+    topo->devices[gpu].remap_failure = failure;
+    return NVML_SUCCESS;
+}
+
 /* Parses one "mig ..." record: a MIG device of an already listed GPU. */
 static nvmlReturn_t parse_mig(struct topology *topo, char *line, unsigned int lineno)
 {
@@ -405,6 +425,8 @@ static nvmlReturn_t parse_line(struct topology *topo, char *line, unsigned int l
         return parse_gpu(topo, line, lineno);
     if (strncmp(line, "mig ", 4) == 0)
         return parse_mig(topo, line, lineno);
+    if (strncmp(line, "health ", 7) == 0)
+        return parse_health(topo, line, lineno);
     if (sscanf(line, "driver %79s", value) == 1)
         return copy_field(topo->driver_version, sizeof topo->driver_version, value) == 0
                    ? NVML_SUCCESS
@@ -862,6 +884,33 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlE
     if (ret == NVML_SUCCESS)
         *mode = device->persistence;
     return ret;
+}
+
+/* ---- health ----------------------------------------------------------------- */
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, nvmlEnableState_t *isPending)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_gpu(device, isPending);
+    if (ret == NVML_SUCCESS)
+        *isPending = device->retired_pending ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return ret;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows, unsigned int *uncRows,
+                                                   unsigned int *isPending, unsigned int *failureOccurred)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_gpu(device, corrRows);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (uncRows == NULL || isPending == NULL || failureOccurred == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *corrRows = 0;
+    *uncRows = device->remap_pending || device->remap_failure ? 1 : 0;
+    *isPending = device->remap_pending;
+    *failureOccurred = device->remap_failure;
+    return NVML_SUCCESS;
 }
 
 /* ---- MIG ------------------------------------------------------------------ */

@@ -173,10 +173,14 @@ def test_ld_so_cache_maps_every_soname(host: FakeHost) -> None:
 
 
 def char_devices(dev: Path) -> dict[str, tuple[int, int, int]]:
-    """Every node under dev (relative path -> major, minor, mode); directories are 0755, nothing else is there."""
+    """Every node under dev (relative path -> major, minor, mode); directories are 0755, and besides nodes
+    only the kernel log stand-in ``kmsg`` (a regular file the simulated host writes Xid lines into)."""
     found = {}
     for path in sorted(dev.rglob("*")):
         info = os.lstat(path)
+        if path == dev / "kmsg":
+            assert stat.S_ISREG(info.st_mode), path
+            continue
         if stat.S_ISDIR(info.st_mode):
             assert stat.S_IMODE(info.st_mode) == 0o755, path
             continue
@@ -1103,3 +1107,19 @@ def test_nvidia_smi_lists_mig_devices(mig_host: FakeHost) -> None:
         ]
     assert listing == expected
     assert listing[1] == f"  MIG 3g.40gb     Device  0: (UUID: {mig_host.mig_devices[0].uuid})"
+
+
+def test_unhealthy_gpus_reach_nvml_and_the_kernel_log(tmp_path: Path) -> None:
+    """unhealthy={1: xid:79 + retired-pages}: an NVRM Xid line in dev/kmsg and NVML's pending flag."""
+    host = create_host(tmp_path / "host", gpus=2, unhealthy={1: ("xid:79", "retired-pages")})
+    assert "NVRM: Xid (PCI:0000:2a:00): 79," in (host.root / "dev/kmsg").read_text()
+    code = (
+        "import ctypes, pynvml\n"
+        f"pynvml.nvmlLib = ctypes.CDLL({str(host.nvml_library)!r})\n"
+        "pynvml.nvmlInit()\n"
+        "print([pynvml.nvmlDeviceGetRetiredPagesPendingStatus(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in (0, 1)])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[0, 1]"
+    with pytest.raises(FakeHostError, match="unknown GPU problem 'bad'"):
+        create_host(tmp_path / "other", gpus=1, unhealthy={0: ("bad",)})
