@@ -142,3 +142,25 @@ def test_proc_driver_is_skipped_without_a_driver(rootfs: Path) -> None:
     (rootfs / "proc/driver/nvidia").rmdir()
     proc = ProcDriverMount(target="/proc/driver/nvidia", files=(), gpu_dirs=())
     assert in_private_mount_ns(lambda: _mask_proc_driver(_fs(rootfs), proc, [])) is False
+
+
+def test_proc_driver_carries_the_mig_capability_files(rootfs: Path, tmp_path: Path) -> None:
+    """A selected MIG device's capabilities/gpuN/mig/giG/.../access files are bound from the host, read-only."""
+    from integration.fakehost import create_host
+
+    mig_host = create_host(tmp_path / "mighost", gpus=1, mig={0: ("1g.10gb",)})
+    mig = mig_host.mig_devices[0]
+    rels = [f"capabilities/gpu0/mig/gi{mig.gi}/access", f"capabilities/gpu0/mig/gi{mig.gi}/ci{mig.ci}/access"]
+    proc = ProcDriverMount(
+        target="/proc/driver/nvidia", files=(("params", "ModifyDeviceFiles: 0\n"),), gpu_dirs=(),
+        cap_files=tuple((str(mig_host.root / "proc/driver/nvidia" / rel), rel) for rel in rels),
+    )
+
+    def scenario() -> list[str]:
+        trees = [_host_tree(BindMount(source=source, target="")) for source, _ in proc.cap_files]
+        assert _mask_proc_driver(_fs(rootfs), proc, trees)
+        return [(rootfs / "proc/driver/nvidia" / rel).read_text() for rel in rels]
+
+    contents = in_private_mount_ns(scenario)
+    assert contents[0].startswith(f"DeviceFileMinor: {mig.gi_cap_minor}\n")
+    assert contents[1].startswith(f"DeviceFileMinor: {mig.ci_cap_minor}\n")
