@@ -5,9 +5,9 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-APT_PACKAGES := runc crun busybox-static gcc libc6-dev util-linux
+APT_PACKAGES := runc crun busybox-static gcc libc6-dev util-linux docker.io containerd podman
 # The commands the packages above provide, to skip apt when all are there.
-APT_COMMANDS := runc crun busybox gcc setpriv
+APT_COMMANDS := runc crun busybox gcc setpriv dockerd containerd ctr podman
 
 .PHONY: test unit demo bench deps venv clean
 
