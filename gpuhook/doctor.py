@@ -91,3 +91,17 @@ def cgroup_checks(mode: str, driver: str) -> tuple[Check, ...]:
         exposure = Check(name="daemon-reload", verdict=Verdict.OK,
                          message="cgroupfs driver: systemd never re-applies the containers' device rules")
     return (version, Check(name="cgroup driver", verdict=Verdict.OK, message=driver), exposure)
+
+
+def engine_checks(installed: dict[str, bool], registered: dict[str, bool]) -> tuple[Check, ...]:
+    """For each container engine on the host: is gpuhook registered with it, and how to do it if not."""
+    out = []
+    for engine, present in installed.items():
+        if not present:
+            continue
+        if registered.get(engine):
+            out.append(Check(name=f"engine {engine}", verdict=Verdict.OK, message="gpuhook is registered"))
+        else:
+            out.append(Check(name=f"engine {engine}", verdict=Verdict.WARN, message="gpuhook is not registered",
+                             fix=f"gpuhook install --runtime {engine} (add --dry-run to see the change first)"))
+    return tuple(out)

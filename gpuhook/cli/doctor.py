@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,7 +12,9 @@ from gpuhook.apply.ldconfig import open_ldconfig
 from gpuhook.cli.common import load_settings
 from gpuhook.config import Config
 from gpuhook.discovery.host import HostDiscoverer
-from gpuhook.doctor import Check, Verdict, cgroup_checks, cgroup_driver, cgroup_mode
+from gpuhook.cli.runtime import RUNTIME_PATH
+from gpuhook.doctor import Check, Verdict, cgroup_checks, cgroup_driver, cgroup_mode, engine_checks
+from gpuhook.install import changes
 from gpuhook.errors import GpuHookError
 
 
@@ -45,6 +48,22 @@ def _ldconfig_check(config: Config) -> Check:
     return Check(name="ldconfig", verdict=Verdict.OK, message=f"{config.ldconfig} is static")
 
 
+_ENGINE_BINARIES = {"docker": "dockerd", "containerd": "containerd", "podman": "podman", "crio": "crio"}
+
+
+def _engines() -> tuple[Check, ...]:
+    """Which engines are installed (on the standard PATH) and whether `gpuhook install` has registered them."""
+    installed = {e: shutil.which(b, path=RUNTIME_PATH) is not None for e, b in _ENGINE_BINARIES.items()}
+    registered = {
+        # Registered when the files `gpuhook install` writes are there (whatever prefix they point at);
+        # for docker either form counts: the --gpus hook name or the "gpuhook" runtime in daemon.json.
+        engine: any(Path(c.path).exists() for c in changes(engine, bin_dir="", current={}))
+        if engine == "docker" else all(Path(c.path).exists() for c in changes(engine, bin_dir="", current={}))
+        for engine in installed
+    }
+    return engine_checks(installed, registered)
+
+
 def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> int:
     """Print every check; exit status 1 if any failed."""
     config = load_settings(config_arg, debug, env)
@@ -52,6 +71,6 @@ def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> i
     driver = cgroup_driver(pid1=(_read("/proc/1/comm") or "").strip(), mode=mode,
                            docker_daemon_json=_read("/etc/docker/daemon.json"),
                            containerd_toml=_read("/etc/containerd/config.toml"))
-    checks = (_driver_check(config), _ldconfig_check(config), *cgroup_checks(mode, driver))
+    checks = (_driver_check(config), _ldconfig_check(config), *cgroup_checks(mode, driver), *_engines())
     sys.stdout.write("".join(check.render() + "\n" for check in checks))
     return 1 if any(check.verdict is Verdict.FAIL for check in checks) else 0

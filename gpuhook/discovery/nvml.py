@@ -70,6 +70,14 @@ def _brand_names() -> dict[int, str]:
 
 def read_nvml(library: Path) -> NvmlFacts:
     """Driver and CUDA versions and every GPU, from the NVML at *library*."""
+    try:
+        return _read_nvml(library)
+    except pynvml.NVMLError as err:  # anything not already translated below
+        raise DiscoveryError(f"NVML at {library} failed: {err}") from err
+
+
+def _read_nvml(library: Path) -> NvmlFacts:
+    """read_nvml's body."""
     with _session(library):
         cuda = _call(pynvml.nvmlSystemGetCudaDriverVersion)
         brands = _brand_names()
@@ -98,17 +106,21 @@ def read_nvml(library: Path) -> NvmlFacts:
         )
 
 
+#: A GPU without the feature, or an older driver's NVML without the function: nothing to report.
+_ABSENT = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
+
+
 def _health(handle: Any) -> tuple[str, ...]:
     """What NVML says is wrong with a GPU's memory (features a GPU lacks are simply not reported)."""
     problems = []
     try:
         if pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle) == pynvml.NVML_FEATURE_ENABLED:
             problems.append("retired memory pages are pending (they apply at the next GPU reset or reboot)")
-    except pynvml.NVMLError_NotSupported:
+    except _ABSENT:
         pass
     try:
         _corrected, _uncorrected, pending, failed = pynvml.nvmlDeviceGetRemappedRows(handle)
-    except pynvml.NVMLError_NotSupported:
+    except _ABSENT:
         return tuple(problems)
     if failed:
         problems.append("memory row remapping failed (the GPU needs service)")
@@ -121,7 +133,7 @@ def _mig_devices(parent_index: int, handle: Any) -> list[MigDevice]:
     """The MIG devices of one GPU, in NVML's enumeration order (none when MIG is off or unsupported)."""
     try:
         current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
-    except pynvml.NVMLError_NotSupported:
+    except _ABSENT:
         return []
     except pynvml.NVMLError as err:
         raise DiscoveryError(f"NVML nvmlDeviceGetMigMode failed for GPU {parent_index}: {err}") from err

@@ -59,3 +59,12 @@ def test_doctor_on_the_simulated_host(host: FakeHost, tmp_path: Path) -> None:
     broken = subprocess.run([sys.executable, "-I", "-m", "gpuhook", "--config", str(empty), "doctor"],
                             capture_output=True, text=True, check=False)
     assert broken.returncode == 1 and "[FAIL] driver:" in broken.stdout and "fix: " in broken.stdout
+
+
+def test_engine_checks_say_how_to_register() -> None:
+    """An installed engine without gpuhook gets the install command; absent engines are not mentioned."""
+    from gpuhook.doctor import engine_checks
+
+    checks = engine_checks({"docker": True, "podman": True, "crio": False}, {"docker": True, "podman": False})
+    assert [(c.name, c.verdict) for c in checks] == [("engine docker", Verdict.OK), ("engine podman", Verdict.WARN)]
+    assert checks[1].fix.startswith("gpuhook install --runtime podman")
