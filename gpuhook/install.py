@@ -24,6 +24,7 @@ class Change:
     content: str | None = None  # the file's text, or None for a symlink
     link_to: str | None = None
     restart: str = ""
+    mode: int = 0o644
 
 
 def docker_daemon_json(current: str | None, runtime: str) -> str:
@@ -66,9 +67,20 @@ def hooks_d_json(launcher: str) -> str:
     return json.dumps(hook, indent=2) + "\n"
 
 
-def changes(engine: str, *, bin_dir: str, current: dict[str, str | None]) -> tuple[Change, ...]:
+def launcher_script(python: str) -> str:
+    """The hook launcher (as packaging/gpuhook-hook): isolated interpreter, no runpy."""
+    return (
+        f"#!{python} -I\n"
+        '"""gpuhook\'s hook launcher (written by `gpuhook install`): python -I, no runpy."""\n\n'
+        "from gpuhook.cli import main\n\n"
+        "raise SystemExit(main())\n"
+    )
+
+
+def changes(engine: str, *, bin_dir: str, current: dict[str, str | None], python: str = "") -> tuple[Change, ...]:
     """Everything *engine* needs, given the current text of the files involved (by path)."""
     runtime, launcher = f"{bin_dir}/gpuhook-runtime", f"{bin_dir}/gpuhook-hook"
+    hook_launcher = (Change(path=launcher, content=launcher_script(python), mode=0o755),) if python else ()
     if engine == "docker":
         path = "/etc/docker/daemon.json"
         return (
@@ -86,8 +98,9 @@ def changes(engine: str, *, bin_dir: str, current: dict[str, str | None]) -> tup
             Change(path="/usr/local/bin/nvidia-container-cli", link_to=f"{bin_dir}/nvidia-container-cli"),
         )
     if engine == "podman":
-        return (Change(path="/usr/share/containers/oci/hooks.d/gpuhook.json", content=hooks_d_json(launcher)),)
+        return (*hook_launcher,
+                Change(path="/usr/share/containers/oci/hooks.d/gpuhook.json", content=hooks_d_json(launcher)))
     if engine == "crio":
-        return (Change(path="/etc/containers/oci/hooks.d/gpuhook.json", content=hooks_d_json(launcher),
-                       restart="crio (systemctl restart crio)"),)
+        return (*hook_launcher, Change(path="/etc/containers/oci/hooks.d/gpuhook.json", content=hooks_d_json(launcher),
+                                       restart="crio (systemctl restart crio)"))
     raise ConfigError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")

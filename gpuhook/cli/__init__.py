@@ -47,10 +47,26 @@ def _parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="the host's driver and GPUs")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--refresh", action="store_true", help="rebuild the inventory cache from NVML (and print)")
+    cdi = commands.add_parser("cdi", help="the host's GPUs as a CDI spec (kind nvidia.com/gpu)")
+    cdi_commands = cdi.add_subparsers(dest="cdi_command", required=True, metavar="CDI_COMMAND")
+    generate = cdi_commands.add_parser("generate", help="write the CDI spec (stdout unless --output)")
+    generate.add_argument("--output", metavar="FILE", help="write here, atomically (e.g. /var/run/cdi/nvidia.yaml)")
+    generate.add_argument("--format", dest="fmt", choices=("yaml", "json"),
+                          help="default: json for a .json output file, else yaml")
+    cdi_commands.add_parser("list", help="print the CDI device names (nvidia.com/gpu=0, ...)")
+    # hidden (no help): only the generated spec's createContainer hook calls it
+    cdi_hook = commands.add_parser("cdi-hook").add_subparsers(dest="hook_command", required=True)
+    ldcache = cdi_hook.add_parser("update-ldcache")
+    ldcache.add_argument("--folder", action="append", required=True, help="a library dir in the container")
+    install = commands.add_parser("install", help="register gpuhook with a container engine (says what to restart)")
+    install.add_argument("--runtime", required=True, choices=("docker", "containerd", "podman", "crio"))
+    install.add_argument("--dry-run", action="store_true", help="print the changes (a diff) and change nothing")
+    install.add_argument("--root", default="/", help="the host's root (a mounted host filesystem, in an installer)")
+    install.add_argument("--bin-dir", help="where gpuhook's executables are (default: this interpreter's bin dir)")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one return per command
+def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the process exit status."""
     words = sys.argv[1:] if argv is None else list(argv)
     args: Any = _hook_argv(words) or _parser().parse_args(words)
@@ -62,21 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one retur
         if args.command in NOOP_STAGES:
             sys.stdin.buffer.read()  # drain: a runtime may block writing the state
             return 0
-        if args.command == "doctor":
-            from gpuhook.cli.doctor import run_doctor
-
-            return run_doctor(args.config, args.debug, os.environ)
-        if args.command in ("spec-edit", "precreate"):
-            from gpuhook.cli import specedit
-
-            if args.command == "spec-edit":
-                return specedit.run_spec_edit(args.config, args.debug, args.bundle, os.environ)
-            return specedit.run_precreate(args.config, args.debug, sys.stdin.buffer, os.environ)
-        from gpuhook.cli import inspect
-
-        if args.command == "plan":
-            return inspect.run_plan(args.config, args.debug, args.bundle, os.environ)
-        return inspect.run_info(args.config, args.debug, os.environ, as_json=args.json, refresh=args.refresh)
+        return _run_command(args)
     except GpuHookError as err:
         _report_failure(err)
         return 1
@@ -84,6 +86,50 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one retur
         # `gpuhook plan | head`: the reader left; exit quietly instead of a traceback at shutdown.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
+    """The commands people run by hand (each imports its module only when used)."""
+    env, config, debug = os.environ, args.config, args.debug
+    match args.command:
+        case "doctor":
+            from gpuhook.cli.doctor import run_doctor
+
+            return run_doctor(config, debug, env)
+        case "spec-edit":
+            from gpuhook.cli import specedit
+
+            return specedit.run_spec_edit(config, debug, args.bundle, env)
+        case "precreate":
+            from gpuhook.cli import specedit
+
+            return specedit.run_precreate(config, debug, sys.stdin.buffer, env)
+        case "cdi":
+            from gpuhook.cli import cdi
+
+            if args.cdi_command == "generate":
+                return cdi.run_cdi_generate(config, debug, env, output=args.output, fmt=args.fmt)
+            return cdi.run_cdi_list(config, debug, env)
+        case "cdi-hook":
+            from gpuhook.cli import cdi
+
+            return cdi.run_update_ldcache(config, debug, sys.stdin.buffer, env, args.folder)
+        case "install":
+            from pathlib import Path
+
+            from gpuhook.cli.install import run_install
+
+            bin_dir = Path(args.bin_dir) if args.bin_dir else Path(sys.executable).parent
+            return run_install(args.runtime, dry_run=args.dry_run, root=Path(args.root), bin_dir=bin_dir,
+                               python=sys.executable)
+        case "plan":
+            from gpuhook.cli import inspect
+
+            return inspect.run_plan(config, debug, args.bundle, env)
+        case _:
+            from gpuhook.cli import inspect
+
+            return inspect.run_info(config, debug, env, as_json=args.json, refresh=args.refresh)
 
 
 def _hook_argv(words: Sequence[str]) -> SimpleNamespace | None:

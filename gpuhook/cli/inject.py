@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from gpuhook.apply import ContainerRef, apply_plan
@@ -11,11 +12,13 @@ from gpuhook.cli.common import complete_inventory, load_settings, make_target, r
 from gpuhook.cli.hygiene import settle_process
 from gpuhook.discovery.cache import CachedDiscoverer
 from gpuhook.discovery.host import HostDiscoverer
+from gpuhook.config import Config
 from gpuhook.errors import SpecError
 from gpuhook.log import get_logger
 from gpuhook.oci.spec import spec_from_object
 from gpuhook.oci.state import state_from_object
-from gpuhook.planning.planner import make_plan
+from gpuhook.planning.planner import Target, make_plan
+from gpuhook.request.model import GpuRequest
 from gpuhook.request.parse import parse_request
 
 
@@ -45,6 +48,15 @@ def inject(
         )
     log.info("request_parsed", source=request.source, devices=request.raw,
              capabilities=sorted(request.capabilities), requirements=[str(r) for r in request.requirements])
+    return inject_request(config, request, make_target(spec, config), state.pid, spec.rootfs, started)
+
+
+def inject_request(
+    config: Config, request: GpuRequest, target: Target, pid: int, rootfs: Path, started: float
+) -> int:
+    """Everything after the request, shared by the OCI hook and nvidia-container-cli: inventory (cached),
+    plan, apply; raises GpuHookError."""
+    log = get_logger()
     step = time.monotonic()
     found = CachedDiscoverer(config=config, inner=HostDiscoverer(config)).lookup()
     inventory = complete_inventory(found.inventory, request, config)
@@ -52,7 +64,7 @@ def inject(
              cache=found.outcome.value, ms=_ms(step))
     if found.not_stored is not None:
         log.warning("inventory_not_cached", reason=found.not_stored)
-    plan = make_plan(request, inventory, make_target(spec, config))
+    plan = make_plan(request, inventory, target)
     log.info("plan_built", gpus=list(plan.gpus), devices=len(plan.devices), mounts=len(plan.mounts),
              cgroup_rules=len(plan.cgroup_rules))
     for skipped in plan.skipped:
@@ -60,7 +72,7 @@ def inject(
     for warning in plan.warnings:
         log.warning("plan_warning", message=warning)
     step = time.monotonic()
-    container = ContainerRef(pid=state.pid, rootfs=spec.rootfs, rootfs_id=rootfs_identity(spec.rootfs))
+    container = ContainerRef(pid=pid, rootfs=rootfs, rootfs_id=rootfs_identity(rootfs))
     report = apply_plan(plan, container, ldconfig=config.ldconfig, timeout=config.timeout_seconds)
     for what in report.skipped:
         log.warning("apply_skipped", what=what)

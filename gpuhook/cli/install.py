@@ -25,11 +25,12 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def run_install(engine: str, *, dry_run: bool, root: Path, bin_dir: Path) -> int:
+def run_install(engine: str, *, dry_run: bool, root: Path, bin_dir: Path, python: str = "") -> int:
     """Print (and unless --dry-run, make) the changes; say what to restart."""
     paths = ("/etc/docker/daemon.json",)
     current = {p: _read(_target(root, p)) for p in paths}
-    todo = [c for c in changes(engine, bin_dir=str(bin_dir), current=current) if _differs(root, c)]
+    wanted = changes(engine, bin_dir=str(bin_dir), current=current, python=python)
+    todo = [c for c in wanted if _differs(root, c)]
     if not todo:
         print(f"gpuhook is already registered with {engine}; nothing to change")
         return 0
@@ -79,5 +80,5 @@ def _apply(root: Path, change: Change) -> None:
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as handle:
         handle.write(change.content or "")
-    os.chmod(tmp_name, 0o644)
+    os.chmod(tmp_name, change.mode)
     os.replace(tmp_name, path)

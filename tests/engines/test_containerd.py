@@ -1,0 +1,101 @@
+"""containerd's ``ctr run --gpus N``: a real private containerd runs gpuhook as nvidia-container-cli."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from integration.containerd import Containerd
+from integration.engines import host_mounts, leftover_cgroups, unique_id
+from integration.fakehost import FakeHost
+from integration.rootfs import build_rootfs
+
+REPO = Path(__file__).parents[2]
+IMAGE = "docker.io/library/gpuhook-busybox:test"
+HOOK_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+#: Opens GPU 0 and 1 and loads libcuda: ENXIO = injected and allowed (no driver), ENOENT = not injected.
+SCRIPT = "devopen /dev/nvidia0 /dev/nvidia1; dltest libcuda.so.1"
+
+
+def _cli() -> Path:
+    """The installed nvidia-container-cli script next to the test's interpreter (the venv's)."""
+    script = Path(sys.executable).parent / "nvidia-container-cli"
+    if not script.is_file():
+        pytest.fail(f"{script} is missing: install gpuhook into this venv (pip install -e .) so the script exists")
+    return script
+
+
+def _wrapper(bindir: Path, config: Path) -> Path:
+    """An nvidia-container-cli for ctr's PATH that runs gpuhook's with a clean env (ctr passes the user's)."""
+    bindir.mkdir(parents=True, exist_ok=True)
+    wrapper = bindir / "nvidia-container-cli"
+    wrapper.write_text(f'#!/bin/sh\nexec env -i PATH={HOOK_PATH} GPUHOOK_CONFIG={config} {_cli()} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@pytest.fixture(scope="module")
+def ctrd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Containerd]:
+    """A private containerd (own root, state and socket) with the busybox+glibc image; stopped by pid after."""
+    if os.geteuid() != 0:
+        pytest.fail("the containerd tests start a real containerd and containers and must run as root (make test does)")
+    daemon = Containerd(tmp_path_factory.mktemp("containerd"))
+    try:
+        daemon.start()
+        daemon.import_rootfs(build_rootfs(REPO / ".cache" / "rootfs"), IMAGE)
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def ctr_env(tmp_path_factory: pytest.TempPathFactory, host: FakeHost) -> dict[str, str]:
+    """ctr's environment: the wrapper first on PATH, nothing else."""
+    bindir = tmp_path_factory.mktemp("ctr-bin")
+    _wrapper(bindir, host.config_path)
+    return {"PATH": f"{bindir}:{HOOK_PATH}"}
+
+
+def test_ctr_gpus_gives_the_container_that_gpu(ctrd: Containerd, ctr_env: dict[str, str], host: FakeHost) -> None:
+    """``ctr run --gpus 1``: /dev/nvidia1 injected and allowed, /dev/nvidia0 not there, libcuda loads."""
+    before = host_mounts()
+    container_id = unique_id("ctr")
+    result = ctrd.run(IMAGE, container_id, "/bin/sh", "-c", SCRIPT, options=("--gpus", "1"), env=ctr_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["/dev/nvidia0 ENOENT", "/dev/nvidia1 ENXIO", "dlopen libcuda.so.1: OK"]
+    log = (host.root / "gpuhook.log").read_text()
+    assert f'"container_id": "{container_id}"' in log and '"front_end": "nvidia-container-cli"' in log
+    assert host_mounts() == before
+    assert leftover_cgroups(container_id) == []
+
+
+def test_ctr_two_gpus(ctrd: Containerd, ctr_env: dict[str, str]) -> None:
+    """``--gpus 0 --gpus 1`` becomes --device=0,1: both nodes open with ENXIO."""
+    result = ctrd.run(IMAGE, unique_id("ctr"), "/bin/sh", "-c", SCRIPT, options=("--gpus", "0", "--gpus", "1"),
+                      env=ctr_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[:2] == ["/dev/nvidia0 ENXIO", "/dev/nvidia1 ENXIO"]
+
+
+def test_ctr_unknown_gpu_is_refused_with_one_line(ctrd: Containerd, ctr_env: dict[str, str]) -> None:
+    """``--gpus 9`` on a 4-GPU host: the container does not start, and ctr shows gpuhook's reason."""
+    container_id = unique_id("ctr")
+    result = ctrd.run(IMAGE, container_id, "/bin/true", options=("--gpus", "9"), env=ctr_env)
+    assert result.returncode != 0
+    assert "gpuhook: --device='9': no GPU with index 9 on this host" in result.stderr
+    assert container_id not in ctrd.ctr("containers", "list", "--quiet").stdout
+
+
+def test_ctr_with_python_env_is_refused(ctrd: Containerd, host: FakeHost, tmp_path: Path) -> None:
+    """Without the env -i wrapper the hook gets ctr's env; a PYTHON*/LD_* variable there refuses the container."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "nvidia-container-cli").symlink_to(_cli())
+    env = {"PATH": f"{bindir}:{HOOK_PATH}", "GPUHOOK_CONFIG": str(host.config_path), "LD_LIBRARY_PATH": "/nowhere"}
+    result = ctrd.run(IMAGE, unique_id("ctr"), "/bin/true", options=("--gpus", "0"), env=env)
+    assert result.returncode != 0
+    assert "the hook's environment sets LD_LIBRARY_PATH" in result.stderr and "env -i" in result.stderr
