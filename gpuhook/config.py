@@ -49,6 +49,9 @@ class Config:
     accept_envvar_when_unprivileged: bool = True
     #: NVIDIA's accept-nvidia-visible-devices-as-volume-mounts (device-plugin "volume-mounts")
     accept_volume_mounts: bool = False
+    #: take the GPUs from ``cdi.k8s.io/*`` annotations naming ``nvidia.com/gpu=…`` (device plugin's
+    #: cdi-annotations strategy; the annotations come from the kubelet, not from the image)
+    accept_cdi_annotations: bool = False
     #: leave the device cgroup alone (rootless, or when the runtime already allows the devices)
     no_cgroups: bool = False
     #: a selected GPU with a critical Xid or pending memory repairs: "refuse", "warn" or "ignore"
@@ -62,7 +65,9 @@ class Config:
 _FIELDS: Final = {f.name: f for f in dataclasses.fields(Config)}
 _PATH_KEYS: Final = ("driver_root", "dev_root", "proc_root", "ldconfig")
 _OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir")  # null disables the feature
-_BOOL_KEYS: Final = ("accept_envvar_when_unprivileged", "accept_volume_mounts", "no_cgroups", "cuda_compat")
+_BOOL_KEYS: Final = (
+    "accept_envvar_when_unprivileged", "accept_volume_mounts", "accept_cdi_annotations", "no_cgroups", "cuda_compat",
+)
 
 
 def resolve_config_path(explicit: str | None, env: Mapping[str, str]) -> tuple[Path, bool]:

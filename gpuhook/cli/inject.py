@@ -38,6 +38,7 @@ def inject(
         spec,
         accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
         accept_volume_mounts=config.accept_volume_mounts,
+        accept_cdi_annotations=config.accept_cdi_annotations,
     )
     if request is None:
         log.info("no_gpu_requested", privileged=spec.privileged)

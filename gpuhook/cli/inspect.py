@@ -28,6 +28,7 @@ def run_plan(config_arg: str | None, debug: bool, bundle: str, env: Mapping[str,
         spec,
         accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
         accept_volume_mounts=config.accept_volume_mounts,
+        accept_cdi_annotations=config.accept_cdi_annotations,
     )
     if request is None:
         _print_json({"request": None, "plan": None, "note": "the container asks for no GPU; it is left untouched"})

@@ -35,6 +35,7 @@ def edited_spec(raw: Mapping[str, Any], spec: BundleSpec, config: Config) -> Map
         spec,
         accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
         accept_volume_mounts=config.accept_volume_mounts,
+        accept_cdi_annotations=config.accept_cdi_annotations,
     )
     if request is None:
         return raw

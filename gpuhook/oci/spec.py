@@ -32,6 +32,8 @@ class BundleSpec:
     mounts: tuple[MountSpec, ...] = ()
     #: (major, minor) of character devices the runtime itself creates and allows rw
     runtime_devices: frozenset[tuple[int, int]] = frozenset()
+    #: config.json ``annotations`` (the device plugin's cdi-annotations strategy writes its choice here)
+    annotations: tuple[tuple[str, str], ...] = ()
 
 
 def parse_spec(data: bytes, bundle: Path) -> BundleSpec:
@@ -56,7 +58,15 @@ def spec_from_object(obj: Mapping[str, Any], bundle: Path) -> BundleSpec:
         privileged=_has_sys_admin(process.get("capabilities"), what),
         mounts=tuple(_parse_mount(m, what) for m in strictjson.get_list(obj, "mounts", what=what)),
         runtime_devices=_runtime_devices(linux, what),
+        annotations=_annotations(strictjson.get_obj(obj, "annotations", what=what), what),
     )
+
+
+def _annotations(raw: Mapping[str, Any], what: str) -> tuple[tuple[str, str], ...]:
+    """annotations as sorted (key, value) string pairs."""
+    if not all(isinstance(v, str) for v in raw.values()):
+        raise SpecError(f"{what}: annotations must map strings to strings")
+    return tuple(sorted(raw.items()))
 
 
 def _parse_env(entries: list[Any], what: str) -> dict[str, str]:

@@ -59,12 +59,15 @@ ACCEPTED_FORMS: Final = (
 
 
 def parse_request(
-    spec: BundleSpec, *, accept_envvar_when_unprivileged: bool, accept_volume_mounts: bool
+    spec: BundleSpec, *, accept_envvar_when_unprivileged: bool, accept_volume_mounts: bool,
+    accept_cdi_annotations: bool = False,
 ) -> GpuRequest | None:
     """The container's GPU request, or None when it asks for none ("void")."""
     env = spec.env
     legacy = is_legacy_image(env)
-    raw, source = _device_source(spec, legacy, accept_envvar_when_unprivileged, accept_volume_mounts)
+    raw, source = (_cdi_annotation_devices(spec) if accept_cdi_annotations else None), "CDI annotations"
+    if raw is None:
+        raw, source = _device_source(spec, legacy, accept_envvar_when_unprivileged, accept_volume_mounts)
     if raw is None:
         return None
     devices = parse_visible_devices(raw, source=source)
@@ -125,6 +128,20 @@ def _imex_channels(env: Mapping[str, str]) -> tuple[int, ...]:
             )
         channels.append(int(entry))
     return tuple(dict.fromkeys(channels))
+
+
+def _cdi_annotation_devices(spec: BundleSpec) -> str | None:
+    """The ``nvidia.com/gpu`` names in ``cdi.k8s.io/*`` annotations, as a device list (None if there are none).
+
+    First in NVIDIA's priority order (cuda_image.go); names are the ones ``gpuhook cdi generate`` writes
+    (index, UUID, MIG index or UUID, all), so the usual device grammar reads them.
+    """
+    names = [
+        item.strip(_BLANKS).split("=", 1)[1]
+        for key, value in spec.annotations if key.startswith(quick.CDI_ANNOTATION_PREFIX)
+        for item in value.split(",") if item.strip(_BLANKS).startswith(quick.CDI_KIND + "=")
+    ]
+    return ",".join(dict.fromkeys(names)) or None
 
 
 def _device_source(

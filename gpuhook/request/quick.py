@@ -13,6 +13,8 @@ from __future__ import annotations
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
 BLANKS = " \t\n\r"
+CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+CDI_KIND = "nvidia.com/gpu"
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -42,5 +44,11 @@ def asks_for_gpu(spec: Mapping[str, Any]) -> bool:
         env[key] = value
     if env.get(VISIBLE_DEVICES, "").strip(BLANKS) or is_legacy_image(env):
         return True
-    # Device-plugin volume mounts; matched loosely here, exactly in request.parse.
+    # CDI annotations (the device plugin's cdi-annotations strategy) and device-plugin volume mounts:
+    # matched loosely here, exactly in request.parse.
+    annotations = spec.get("annotations") or {}
+    if not isinstance(annotations, dict) or any(
+        str(k).startswith(CDI_ANNOTATION_PREFIX) and CDI_KIND in str(v) for k, v in annotations.items()
+    ):
+        return True
     return any(not isinstance(m, dict) or "nvidia-container-devices" in str(m.get("destination")) for m in mounts)

@@ -42,3 +42,17 @@ def test_env_request_ignored_without_the_plugin(make_container: MakeContainer, h
     result = make_container(PROBE, {"NVIDIA_VISIBLE_DEVICES": "all"}, hook=hook_entry(config, "prestart")).run()
     assert result.returncode == 0, result.stderr
     assert "/dev/nvidia0 ENOENT" in result.stdout and "/dev/nvidia2 ENOENT" in result.stdout
+
+
+def test_cdi_annotations_strategy(make_container: MakeContainer, host: FakeHost, tmp_path: Path) -> None:
+    """accept_cdi_annotations: the kubelet's cdi.k8s.io annotation picks GPU 3 for an unprivileged pod."""
+    config = tmp_path / "k8s.yaml"
+    config.write_text(host.config_path.read_text()
+                      + "accept_cdi_annotations: true\naccept_envvar_when_unprivileged: false\n")
+    container = make_container("devopen /dev/nvidia0 /dev/nvidia3", {}, hook=hook_entry(config, "prestart"))
+    spec = json.loads((container.bundle / "config.json").read_text())
+    spec["annotations"] = {"cdi.k8s.io/nvidia-device-plugin_uuid": "nvidia.com/gpu=3"}
+    (container.bundle / "config.json").write_text(json.dumps(spec))
+    result = container.run()
+    assert result.returncode == 0, result.stderr
+    assert "/dev/nvidia3 ENXIO" in result.stdout and "/dev/nvidia0 ENOENT" in result.stdout

@@ -199,3 +199,18 @@ def test_mig_control_variables_need_privilege() -> None:
     assert req is not None and req.mig_config and not req.mig_monitor
     with pytest.raises(RequestError, match="only 'all'"):
         request({**env, "NVIDIA_MIG_CONFIG_DEVICES": "0"}, privileged=True)
+
+
+def test_cdi_annotations_take_priority_when_accepted() -> None:
+    """cdi.k8s.io/* annotations naming nvidia.com/gpu=... decide the devices; other vendors are ignored."""
+    bundle = BundleSpec(env={"NVIDIA_VISIBLE_DEVICES": "all"}, rootfs=Path("/r"), privileged=False, annotations=(
+        ("cdi.k8s.io/gpu-plugin", "nvidia.com/gpu=1, nvidia.com/gpu=" + UUID),
+        ("cdi.k8s.io/other", "vendor.com/fpga=0"),
+        ("io.kubernetes.pod.name", "nvidia.com/gpu=3"),
+    ))
+    req = parse_request(bundle, accept_envvar_when_unprivileged=True, accept_volume_mounts=False,
+                        accept_cdi_annotations=True)
+    assert req is not None and req.devices == (GpuIndex(1), GpuUuid(UUID)) and req.source == "CDI annotations"
+    assert asks_for_gpu({"process": {"env": []}, "annotations": dict(bundle.annotations)})
+    ignored = parse_request(bundle, accept_envvar_when_unprivileged=True, accept_volume_mounts=False)
+    assert ignored is not None and ignored.all_devices  # not accepted: the env decides
