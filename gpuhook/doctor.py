@@ -10,6 +10,7 @@ import enum
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 
 class Verdict(enum.StrEnum):
@@ -104,4 +105,18 @@ def engine_checks(installed: dict[str, bool], registered: dict[str, bool]) -> tu
         else:
             out.append(Check(name=f"engine {engine}", verdict=Verdict.WARN, message="gpuhook is not registered",
                              fix=f"gpuhook install --runtime {engine} (add --dry-run to see the change first)"))
+    return tuple(out)
+
+
+def cdi_checks(found: dict[str, Any], fresh: Any) -> tuple[Check, ...]:
+    """Each gpuhook CDI spec on the host (path → parsed content) against a freshly rendered one."""
+    out = []
+    for path, spec in sorted(found.items()):
+        if spec == fresh:
+            out.append(Check(name="cdi", verdict=Verdict.OK, message=f"{path} matches the host"))
+        else:
+            out.append(Check(name="cdi", verdict=Verdict.WARN,
+                             message=f"{path} is stale: CDI containers would get devices or files the host does "
+                             "not have any more",
+                             fix=f"gpuhook cdi generate --output {path} (or enable gpuhook-cdi-refresh.path)"))
     return tuple(out)

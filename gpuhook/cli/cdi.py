@@ -29,7 +29,7 @@ from gpuhook.planning.planner import Target
 def run_cdi_generate(config_arg: str | None, debug: bool, env: Mapping[str, str], *, output: str | None,
                      fmt: str | None) -> int:
     """Write the spec to *output* (atomically) or stdout, as YAML or JSON (default: from the file name, else YAML)."""
-    rendered = _render(load_settings(config_arg, debug, env), _hook_argv(config_arg, env))
+    rendered = render_host(load_settings(config_arg, debug, env), hook_argv(config_arg, env))
     if fmt is None:
         fmt = "json" if output is not None and output.endswith(".json") else "yaml"
     text = encode(rendered, fmt)
@@ -45,7 +45,7 @@ def run_cdi_generate(config_arg: str | None, debug: bool, env: Mapping[str, str]
 
 def run_cdi_list(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> int:
     """Print the fully qualified device names, one a line."""
-    for name in _render(load_settings(config_arg, debug, env), None).names:
+    for name in render_host(load_settings(config_arg, debug, env), None).names:
         print(name)
     return 0
 
@@ -59,7 +59,7 @@ def encode(rendered: Rendered, fmt: str) -> str:
     return str(yaml.safe_dump(rendered.spec, sort_keys=False, default_flow_style=False))
 
 
-def _render(config: Config, hook_argv: list[str] | None) -> Rendered:
+def render_host(config: Config, hook_argv: list[str] | None) -> Rendered:
     """Discover (through the inventory cache) and render, with Debian-layout library placement."""
     inventory = CachedDiscoverer(config=config, inner=HostDiscoverer(config), refresh=False).discover()
     machine = os.uname().machine
@@ -72,7 +72,7 @@ def _render(config: Config, hook_argv: list[str] | None) -> Rendered:
     return render_spec(inventory, target, hook_argv)
 
 
-def _hook_argv(config_arg: str | None, env: Mapping[str, str]) -> list[str]:
+def hook_argv(config_arg: str | None, env: Mapping[str, str]) -> list[str]:
     """This interpreter in isolated mode, and the same config file the spec was generated from."""
     path, explicit = resolve_config_path(config_arg, env)
     # the runtime runs the hook with only the spec's env: $GPUHOOK_CONFIG would not reach it

@@ -13,7 +13,7 @@ from gpuhook.cli.common import load_settings
 from gpuhook.config import Config
 from gpuhook.discovery.host import HostDiscoverer
 from gpuhook.cli.runtime import RUNTIME_PATH
-from gpuhook.doctor import Check, Verdict, cgroup_checks, cgroup_driver, cgroup_mode, engine_checks
+from gpuhook.doctor import Check, Verdict, cdi_checks, cgroup_checks, cgroup_driver, cgroup_mode, engine_checks
 from gpuhook.install import changes
 from gpuhook.errors import GpuHookError
 
@@ -64,6 +64,36 @@ def _engines() -> tuple[Check, ...]:
     return engine_checks(installed, registered)
 
 
+CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+
+
+def _cdi(config_arg: str | None, config: Config, env: Mapping[str, str]) -> tuple[Check, ...]:
+    """Compare every gpuhook-written CDI spec (kind nvidia.com/gpu, gpuhook's hook) with a fresh rendering."""
+    import json
+
+    import yaml
+
+    from gpuhook.cli.cdi import hook_argv, render_host
+
+    found: dict[str, object] = {}
+    for directory in CDI_DIRS:
+        for path in sorted(directory.glob("*.y*ml")) + sorted(directory.glob("*.json")):
+            try:
+                text = path.read_text()
+                spec = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+            except (OSError, ValueError, yaml.YAMLError):
+                continue
+            if isinstance(spec, dict) and spec.get("kind") == "nvidia.com/gpu" and "gpuhook" in text:
+                found[str(path)] = spec
+    if not found:
+        return ()
+    try:
+        fresh = json.loads(json.dumps(render_host(config, hook_argv(config_arg, env)).spec))
+    except GpuHookError:
+        return ()  # the driver check above already says why nothing can be rendered
+    return cdi_checks(found, fresh)
+
+
 def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> int:
     """Print every check; exit status 1 if any failed."""
     config = load_settings(config_arg, debug, env)
@@ -71,6 +101,7 @@ def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> i
     driver = cgroup_driver(pid1=(_read("/proc/1/comm") or "").strip(), mode=mode,
                            docker_daemon_json=_read("/etc/docker/daemon.json"),
                            containerd_toml=_read("/etc/containerd/config.toml"))
-    checks = (_driver_check(config), _ldconfig_check(config), *cgroup_checks(mode, driver), *_engines())
+    checks = (_driver_check(config), _ldconfig_check(config), *cgroup_checks(mode, driver), *_engines(),
+              *_cdi(config_arg, config, env))
     sys.stdout.write("".join(check.render() + "\n" for check in checks))
     return 1 if any(check.verdict is Verdict.FAIL for check in checks) else 0

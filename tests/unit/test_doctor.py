@@ -68,3 +68,31 @@ def test_engine_checks_say_how_to_register() -> None:
     checks = engine_checks({"docker": True, "podman": True, "crio": False}, {"docker": True, "podman": False})
     assert [(c.name, c.verdict) for c in checks] == [("engine docker", Verdict.OK), ("engine podman", Verdict.WARN)]
     assert checks[1].fix.startswith("gpuhook install --runtime podman")
+
+
+def test_cdi_freshness() -> None:
+    """A spec equal to a fresh rendering is ok; a different one is stale, with the command that renews it."""
+    from gpuhook.doctor import cdi_checks
+
+    fresh = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [{"name": "0"}]}
+    checks = cdi_checks({"/etc/cdi/a.yaml": fresh, "/var/run/cdi/nvidia.yaml": {**fresh, "devices": []}}, fresh)
+    assert [c.verdict for c in checks] == [Verdict.OK, Verdict.WARN]
+    assert checks[1].fix == ("gpuhook cdi generate --output /var/run/cdi/nvidia.yaml "
+                             "(or enable gpuhook-cdi-refresh.path)")
+
+
+def test_refresh_units_run_a_real_command() -> None:
+    """The systemd service and the udev rule start a command gpuhook's parser accepts."""
+    import shlex
+
+    from gpuhook.cli import _parser
+
+    packaging = Path(__file__).parents[2] / "packaging"
+    service = (packaging / "systemd/gpuhook-cdi-refresh.service").read_text()
+    (line,) = [entry for entry in service.splitlines() if entry.startswith("ExecStart=")]
+    argv = shlex.split(line.removeprefix("ExecStart="))
+    assert argv[0] == "/usr/lib/gpuhook/bin/gpuhook"
+    args = _parser().parse_args(argv[1:])
+    assert (args.command, args.cdi_command, args.output) == ("cdi", "generate", "/var/run/cdi/nvidia.yaml")
+    assert "Unit=gpuhook-cdi-refresh.service" in (packaging / "systemd/gpuhook-cdi-refresh.path").read_text()
+    assert 'SYSTEMD_WANTS}+="gpuhook-cdi-refresh.service"' in (packaging / "udev/71-gpuhook-cdi-refresh.rules").read_text()
