@@ -120,3 +120,16 @@ def cdi_checks(found: dict[str, Any], fresh: Any) -> tuple[Check, ...]:
                              "not have any more",
                              fix=f"gpuhook cdi generate --output {path} (or enable gpuhook-cdi-refresh.path)"))
     return tuple(out)
+
+
+def persistence_check(off: list[int]) -> Check:
+    """Persistence mode: off means NVML's initialisation costs seconds whenever it is asked."""
+    if not off:
+        return Check(name="persistence", verdict=Verdict.OK, message="persistence mode is on (or not reported)")
+    gpus = ", ".join(map(str, off))
+    return Check(
+        name="persistence", verdict=Verdict.WARN,
+        message=f"persistence mode is off on GPU {gpus}: each NVML start re-initialises the GPUs (seconds); "
+        "gpuhook's inventory cache avoids it per container, but the first start after a driver change pays it",
+        fix="systemctl enable --now nvidia-persistenced",
+    )

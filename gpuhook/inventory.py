@@ -39,6 +39,8 @@ class Gpu:
     arch: str = ""
     #: problems NVML reported when the inventory was built (retired pages or row remapping pending/failed)
     health: tuple[str, ...] = ()
+    #: persistence mode, when NVML reports it (off: every NVML start pays the driver's initialisation)
+    persistence: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,7 +123,8 @@ class Inventory:
             "driver_version": self.driver_version,
             "cuda_version": self.cuda_version,
             "gpus": [{"index": g.index, "uuid": g.uuid, "minor": g.minor, "pci_bus_id": g.pci_bus_id,
-                      "model": g.model, "brand": g.brand, "arch": g.arch, "health": list(g.health)}
+                      "model": g.model, "brand": g.brand, "arch": g.arch, "health": list(g.health),
+                      "persistence": g.persistence}
                      for g in self.gpus],
             "gpu_nodes": [_device_dict(n) for n in self.gpu_nodes],
             "control_nodes": [_device_dict(n) for n in self.control_nodes],
@@ -224,7 +227,7 @@ def _gpu(data: Any) -> Gpu:
     return Gpu(index=_get(data, "index", int), uuid=_get(data, "uuid", str), minor=_get(data, "minor", int),
                pci_bus_id=_get(data, "pci_bus_id", str), model=_get(data, "model", str),
                brand=_get(data, "brand", str), arch=_get(data, "arch", str),
-               health=_items(data, "health", _str))
+               health=_items(data, "health", _str), persistence=_get(data, "persistence", (bool, type(None))))
 
 
 def _device(data: Any) -> HostDevice:

@@ -13,7 +13,16 @@ from gpuhook.cli.common import load_settings
 from gpuhook.config import Config
 from gpuhook.discovery.host import HostDiscoverer
 from gpuhook.cli.runtime import RUNTIME_PATH
-from gpuhook.doctor import Check, Verdict, cdi_checks, cgroup_checks, cgroup_driver, cgroup_mode, engine_checks
+from gpuhook.doctor import (
+    Check,
+    Verdict,
+    cdi_checks,
+    cgroup_checks,
+    cgroup_driver,
+    cgroup_mode,
+    engine_checks,
+    persistence_check,
+)
 from gpuhook.install import changes
 from gpuhook.errors import GpuHookError
 
@@ -26,16 +35,19 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _driver_check(config: Config) -> Check:
-    """Can the driver be inventoried through the configured roots?"""
+def _driver_checks(config: Config) -> tuple[Check, ...]:
+    """Can the driver be inventoried through the configured roots, and is persistence mode on?"""
     try:
         inventory = HostDiscoverer(config).discover()
     except GpuHookError as err:
-        return Check(name="driver", verdict=Verdict.FAIL, message=str(err),
-                     fix="install or load the NVIDIA driver, or point driver_root/dev_root/proc_root at it")
-    return Check(name="driver", verdict=Verdict.OK, message=(
-        f"NVIDIA {inventory.driver_version} (CUDA {inventory.cuda_version}), {len(inventory.gpus)} GPU(s), "
-        f"{len(inventory.libraries)} libraries under {config.driver_root}"))
+        return (Check(name="driver", verdict=Verdict.FAIL, message=str(err),
+                      fix="install or load the NVIDIA driver, or point driver_root/dev_root/proc_root at it"),)
+    return (
+        Check(name="driver", verdict=Verdict.OK, message=(
+            f"NVIDIA {inventory.driver_version} (CUDA {inventory.cuda_version}), {len(inventory.gpus)} GPU(s), "
+            f"{len(inventory.libraries)} libraries under {config.driver_root}")),
+        persistence_check([g.index for g in inventory.gpus if g.persistence is False]),
+    )
 
 
 def _ldconfig_check(config: Config) -> Check:
@@ -101,7 +113,7 @@ def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> i
     driver = cgroup_driver(pid1=(_read("/proc/1/comm") or "").strip(), mode=mode,
                            docker_daemon_json=_read("/etc/docker/daemon.json"),
                            containerd_toml=_read("/etc/containerd/config.toml"))
-    checks = (_driver_check(config), _ldconfig_check(config), *cgroup_checks(mode, driver), *_engines(),
+    checks = (*_driver_checks(config), _ldconfig_check(config), *cgroup_checks(mode, driver), *_engines(),
               *_cdi(config_arg, config, env))
     sys.stdout.write("".join(check.render() + "\n" for check in checks))
     return 1 if any(check.verdict is Verdict.FAIL for check in checks) else 0

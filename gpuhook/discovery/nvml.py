@@ -96,6 +96,7 @@ def _read_nvml(library: Path) -> NvmlFacts:
                 brand=brands.get(_call(pynvml.nvmlDeviceGetBrand, handle), "Unknown"),
                 arch=f"{major}.{minor}",
                 health=_health(handle),
+                persistence=_persistence(handle),
             ))
         return NvmlFacts(
             driver_version=_text(_call(pynvml.nvmlSystemGetDriverVersion)),
@@ -108,6 +109,14 @@ def _read_nvml(library: Path) -> NvmlFacts:
 
 #: A GPU without the feature, or an older driver's NVML without the function: nothing to report.
 _ABSENT = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
+
+
+def _persistence(handle: Any) -> bool | None:
+    """Persistence mode, or None where NVML does not report it."""
+    try:
+        return bool(pynvml.nvmlDeviceGetPersistenceMode(handle) == pynvml.NVML_FEATURE_ENABLED)
+    except _ABSENT:
+        return None
 
 
 def _health(handle: Any) -> tuple[str, ...]:

@@ -96,3 +96,12 @@ def test_refresh_units_run_a_real_command() -> None:
     assert (args.command, args.cdi_command, args.output) == ("cdi", "generate", "/var/run/cdi/nvidia.yaml")
     assert "Unit=gpuhook-cdi-refresh.service" in (packaging / "systemd/gpuhook-cdi-refresh.path").read_text()
     assert 'SYSTEMD_WANTS}+="gpuhook-cdi-refresh.service"' in (packaging / "udev/71-gpuhook-cdi-refresh.rules").read_text()
+
+
+def test_persistence_mode_check() -> None:
+    """Persistence mode off on some GPU is a warning with the fix; on (or unknown) is fine."""
+    from gpuhook.doctor import persistence_check
+
+    assert persistence_check([]).verdict is Verdict.OK
+    warning = persistence_check([0, 3])
+    assert warning.verdict is Verdict.WARN and "GPU 0, 3" in warning.message and "nvidia-persistenced" in warning.fix
