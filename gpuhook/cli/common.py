@@ -18,6 +18,7 @@ from gpuhook.discovery.host import extra_nodes
 from gpuhook.inventory import Inventory
 from gpuhook.planning.planner import Target
 from gpuhook.request.model import GpuRequest
+from gpuhook.request.parse import parse_request
 
 
 def load_settings(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> Config:
@@ -80,3 +81,13 @@ def complete_inventory(inventory: Inventory, request: GpuRequest, config: Config
     if config.unhealthy_gpus != "ignore":
         inventory = dataclasses.replace(inventory, xid_errors=read_xids(config.dev_root))
     return inventory
+
+
+def request_for(spec: BundleSpec, config: Config) -> GpuRequest | None:
+    """The container's request under the configured policy (env, device-plugin mounts, CDI annotations)."""
+    return parse_request(
+        spec,
+        accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
+        accept_volume_mounts=config.accept_volume_mounts,
+        accept_cdi_annotations=config.accept_cdi_annotations,
+    )

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuhook.apply import ContainerRef, apply_plan
-from gpuhook.cli.common import complete_inventory, load_settings, make_target, rootfs_identity
+from gpuhook.cli.common import complete_inventory, load_settings, make_target, request_for, rootfs_identity
 from gpuhook.cli.hygiene import settle_process
 from gpuhook.discovery.cache import CachedDiscoverer
 from gpuhook.discovery.host import HostDiscoverer
@@ -19,7 +19,6 @@ from gpuhook.oci.spec import spec_from_object
 from gpuhook.oci.state import state_from_object
 from gpuhook.planning.planner import Target, make_plan
 from gpuhook.request.model import GpuRequest
-from gpuhook.request.parse import parse_request
 
 
 def inject(
@@ -34,12 +33,7 @@ def inject(
     config = load_settings(config_arg, debug, env)
     log = get_logger()
     log.bind(container_id=state.id, pid=state.pid)
-    request = parse_request(
-        spec,
-        accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
-        accept_volume_mounts=config.accept_volume_mounts,
-        accept_cdi_annotations=config.accept_cdi_annotations,
-    )
+    request = request_for(spec, config)
     if request is None:
         log.info("no_gpu_requested", privileged=spec.privileged)
         return 0

@@ -10,26 +10,20 @@ from pathlib import Path
 from typing import Any
 
 from gpuhook.cli.bundle import read_spec
-from gpuhook.cli.common import complete_inventory, load_settings, make_target
+from gpuhook.cli.common import complete_inventory, load_settings, make_target, request_for
 from gpuhook.config import Config
 from gpuhook.discovery.cache import CachedDiscoverer, Outcome
 from gpuhook.discovery.host import HostDiscoverer
 from gpuhook.errors import DiscoveryError
 from gpuhook.inventory import Inventory
 from gpuhook.planning.planner import make_plan
-from gpuhook.request.parse import parse_request
 
 
 def run_plan(config_arg: str | None, debug: bool, bundle: str, env: Mapping[str, str]) -> int:
     """Print what the hook would do to the container in *bundle*."""
     config = load_settings(config_arg, debug, env)
     spec = read_spec(Path(bundle).absolute())
-    request = parse_request(
-        spec,
-        accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
-        accept_volume_mounts=config.accept_volume_mounts,
-        accept_cdi_annotations=config.accept_cdi_annotations,
-    )
+    request = request_for(spec, config)
     if request is None:
         _print_json({"request": None, "plan": None, "note": "the container asks for no GPU; it is left untouched"})
         return 0

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from gpuhook.cli.common import complete_inventory, load_settings
+from gpuhook.cli.common import complete_inventory, load_settings, request_for
 from gpuhook.cli.inputs import read_bounded, read_config_json
 from gpuhook.config import Config
 from gpuhook.discovery.cache import CachedDiscoverer
@@ -26,17 +26,11 @@ from gpuhook.oci import strictjson
 from gpuhook.oci.spec import SPEC_LIMIT, BundleSpec, parse_spec, spec_from_object
 from gpuhook.planning.planner import plan_devices
 from gpuhook.planning.specedit import add_devices
-from gpuhook.request.parse import parse_request
 
 
 def edited_spec(raw: Mapping[str, Any], spec: BundleSpec, config: Config) -> Mapping[str, Any]:
     """*raw* with the requested GPUs' devices and rules added (unchanged when no GPU is asked for)."""
-    request = parse_request(
-        spec,
-        accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
-        accept_volume_mounts=config.accept_volume_mounts,
-        accept_cdi_annotations=config.accept_cdi_annotations,
-    )
+    request = request_for(spec, config)
     if request is None:
         return raw
     inventory = CachedDiscoverer(config=config, inner=HostDiscoverer(config)).discover()
