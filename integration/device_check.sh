@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The real-GPU check for a session that is lent the device machine (one NVIDIA GPU, the driver's files
+# read-only under /usr/local/nvidia, no network). Run from the repository root there, with the venv,
+# a runc binary and the test rootfs carried over:
+#   run(command="bash integration/device_check.sh", carry=[".venv", ".cache/rootfs", "build/runc"])
+# after `mkdir -p build && cp /usr/sbin/runc build/runc && make venv` here (and one test run, which
+# builds .cache/rootfs). It prints `gpuhook info`, `gpuhook doctor`, then starts a real busybox
+# container under runc with NVIDIA_VISIBLE_DEVICES=0 and shows what it sees; figures go to $OUT.
+set -u
+OUT=${OUT:-/tmp/gpuhook-device-check}
+mkdir -p "$OUT"
+PY=$PWD/.venv/bin/python
+RUNC=$PWD/build/runc
+ROOTFS_SRC=$(ls -d "$PWD"/.cache/rootfs/*/ 2>/dev/null | head -n 1)
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+cat > "$WORK/gpuhook.yaml" <<CFG
+driver_root: /usr/local/nvidia
+dev_root: /
+proc_root: /
+log_file: $OUT/gpuhook.log
+log_level: debug
+cache_dir: $WORK/cache
+CFG
+
+echo "== gpuhook info"; "$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" info 2>&1 | tee "$OUT/info.txt"
+echo "== gpuhook doctor"; "$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" doctor 2>&1 | tee "$OUT/doctor.txt"
+echo "== nvidia-smi on the host"; (/usr/local/nvidia/bin/nvidia-smi -L || nvidia-smi -L) 2>&1 | tee "$OUT/smi.txt"
+
+if [ -z "$ROOTFS_SRC" ] || [ ! -x "$RUNC" ]; then
+  echo "no rootfs or runc carried over; skipping the container part" | tee "$OUT/container.txt"
+  exit 0
+fi
+mkdir -p "$WORK/bundle"
+cp -a "$ROOTFS_SRC" "$WORK/bundle/rootfs"
+"$PY" - "$WORK" "$PY" <<'PYEOF'
+import json, sys
+from integration.engines import default_spec
+work, py = sys.argv[1], sys.argv[2]
+hook = {"path": py, "args": [py, "-I", "-m", "gpuhook", "--config", f"{work}/gpuhook.yaml", "prestart"],
+        "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+script = ("ls -l /dev/nvidia*; devopen /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm; "
+          "dltest -p libcuda.so.1 libnvidia-ml.so.1; nvidia-smi -L; cat /proc/driver/nvidia/params | grep Modify")
+spec = default_spec("rootfs", ["/bin/sh", "-c", script],
+                    ["PATH=/usr/local/bin:/usr/bin:/bin", "NVIDIA_VISIBLE_DEVICES=0",
+                     "NVIDIA_DRIVER_CAPABILITIES=compute,utility"], hooks={"prestart": [hook]}, annotations={})
+json.dump(spec, open(f"{work}/bundle/config.json", "w"))
+PYEOF
+echo "== runc run with the hook"
+for i in 1 2 3 4 5; do
+  start=$(date +%s%N)
+  "$RUNC" run --bundle "$WORK/bundle" "gpuhook-check-$i" > "$OUT/container-$i.txt" 2>&1
+  echo "run $i: rc=$? $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$OUT/timings.txt"
+done
+cat "$OUT/container-1.txt"
