@@ -8,6 +8,10 @@
 # container under runc with NVIDIA_VISIBLE_DEVICES=0 and shows what it sees; figures go to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpuhook-device-check}
+# Overridable to rehearse the script on a simulated host: DRIVER_ROOT=DIR DEV_ROOT=DIR PROC_ROOT=DIR.
+DRIVER_ROOT=${DRIVER_ROOT:-/usr/local/nvidia}
+DEV_ROOT=${DEV_ROOT:-/}
+PROC_ROOT=${PROC_ROOT:-/}
 mkdir -p "$OUT"
 PY=$PWD/.venv/bin/python
 RUNC=$PWD/build/runc
@@ -16,9 +20,9 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
 cat > "$WORK/gpuhook.yaml" <<CFG
-driver_root: /usr/local/nvidia
-dev_root: /
-proc_root: /
+driver_root: $DRIVER_ROOT
+dev_root: $DEV_ROOT
+proc_root: $PROC_ROOT
 log_file: $OUT/gpuhook.log
 log_level: debug
 cache_dir: $WORK/cache
@@ -26,7 +30,7 @@ CFG
 
 echo "== gpuhook info"; "$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" info 2>&1 | tee "$OUT/info.txt"
 echo "== gpuhook doctor"; "$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" doctor 2>&1 | tee "$OUT/doctor.txt"
-echo "== nvidia-smi on the host"; (/usr/local/nvidia/bin/nvidia-smi -L || nvidia-smi -L) 2>&1 | tee "$OUT/smi.txt"
+echo "== nvidia-smi on the host"; ("$DRIVER_ROOT/bin/nvidia-smi" -L 2>/dev/null || "$DRIVER_ROOT/usr/bin/nvidia-smi" -L 2>/dev/null || nvidia-smi -L) 2>&1 | tee "$OUT/smi.txt"
 
 if [ -z "$ROOTFS_SRC" ] || [ ! -x "$RUNC" ]; then
   echo "no rootfs or runc carried over; skipping the container part" | tee "$OUT/container.txt"
@@ -41,7 +45,7 @@ work, py = sys.argv[1], sys.argv[2]
 hook = {"path": py, "args": [py, "-I", "-m", "gpuhook", "--config", f"{work}/gpuhook.yaml", "prestart"],
         "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
 script = ("ls -l /dev/nvidia*; devopen /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm; "
-          "dltest -p libcuda.so.1 libnvidia-ml.so.1; nvidia-smi -L; cat /proc/driver/nvidia/params | grep Modify")
+          "dltest -p libcuda.so.1 libnvidia-ml.so.1; nvidia-smi -L; grep Modify /proc/driver/nvidia/params || echo no /proc/driver/nvidia")
 spec = default_spec("rootfs", ["/bin/sh", "-c", script],
                     ["PATH=/usr/local/bin:/usr/bin:/bin", "NVIDIA_VISIBLE_DEVICES=0",
                      "NVIDIA_DRIVER_CAPABILITIES=compute,utility"], hooks={"prestart": [hook]}, annotations={})
