@@ -113,7 +113,10 @@ def parse_config(text: str, *, source: str = "<config>") -> Config:
 
 
 _NOT_FLAT: Final[Any] = object()
-_LINE: Final = re.compile(r"([a-z_]+):(?: +([^#'\"\s]*))?(?: +#.*)? *")  # spaces only: YAML refuses some tabs
+# key: plain | "double-quoted" | 'single-quoted' (quoted: printable ASCII without escapes, always a string)
+_LINE: Final = re.compile(
+    r"""([a-z_]+):(?: +(?:([^#'"\s]*)|"([ !#-\[\]-~]*)"|'([ -&(-~]*)'))?(?: +#.*)? *"""  # spaces only: YAML refuses some tabs
+)
 _SCALARS: Final[dict[str, Any]] = {
     "": None, "~": None, "null": None, "Null": None, "NULL": None,
     "true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False,
@@ -128,7 +131,8 @@ def parse_flat_yaml(text: str) -> Any:
     gpuhook.yaml is a flat mapping of paths, booleans, numbers and level names.
     This reads exactly that subset (tests check it against PyYAML) and hands
     anything else, including every value PyYAML 1.1 might read differently
-    ("yes", "1e3", quotes), to PyYAML.
+    ("yes", "1e3", escapes), to PyYAML. Quoted paths are common (installers write
+    JSON-style strings), so simple quoted strings are read here too.
     """
     data: dict[str, Any] = {}
     for line in text.splitlines():
@@ -138,8 +142,11 @@ def parse_flat_yaml(text: str) -> Any:
         match = _LINE.fullmatch(line)
         if match is None or match[1] in data:
             return _NOT_FLAT
+        quoted = match[3] if match[3] is not None else match[4]
         raw = match[2] or ""
-        if raw in _SCALARS:
+        if quoted is not None:
+            data[match[1]] = quoted
+        elif raw in _SCALARS:
             data[match[1]] = _SCALARS[raw]
         elif re.fullmatch(r"[1-9][0-9]{0,8}|0", raw):
             data[match[1]] = int(raw)

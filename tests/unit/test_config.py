@@ -75,7 +75,10 @@ def test_flat_subset_reads_like_pyyaml() -> None:
     from gpuhook.config import parse_flat_yaml
 
     assert parse_flat_yaml(SHIPPED.read_text()) == yaml.safe_load(SHIPPED.read_text())
-    for text in ("a: yes\n", "a: 1e3\n", "a: '/x'\n", "a:\n  - 1\n", "a: 1\na: 2\n", "---\na: 1\n", "a: 0x10\n",
+    assert parse_flat_yaml('driver_root: "/run/nvidia/driver"\nlog_file: \'/var/log/x.log\'\n') == {
+        "driver_root": "/run/nvidia/driver", "log_file": "/var/log/x.log"}
+    for text in ("a: yes\n", "a: 1e3\n", "a: '/x'\n", "a: \"/x y\"\n", "a: 'it''s'\n", "a: \"\\t\"\n",
+                 "a: \"#\" # c\n", "a: \"yes\"\n", "a:\n  - 1\n", "a: 1\na: 2\n", "---\na: 1\n", "a: 0x10\n",
                  "a: 2001-12-14\n", "a: .inf\n", "a: /x # c\n b: 1\n"):
         flat = parse_flat_yaml(text)
         assert flat is not None and (not isinstance(flat, dict) or flat == yaml.safe_load(text)), text
@@ -84,7 +87,8 @@ def test_flat_subset_reads_like_pyyaml() -> None:
 _KEYS = st.from_regex(r"[a-z_]{1,12}", fullmatch=True)
 _VALUES = st.one_of(st.sampled_from(["", "~", "null", "true", "False", "TRUE", "debug", "0", "12", "30", "007",
                                      "yes", "on", "1.5", "-1", "x", "/run/nvidia/driver", "/a-b/c.d_e"]),
-                    st.from_regex(r"/[A-Za-z0-9_./-]{0,20}", fullmatch=True), st.text(max_size=12))
+                    st.from_regex(r"/[A-Za-z0-9_./-]{0,20}", fullmatch=True), st.text(max_size=12),
+                    st.from_regex(r"[\"'][ -~]{0,12}[\"']", fullmatch=True))
 
 
 @given(st.lists(st.tuples(_KEYS, _VALUES, st.sampled_from(["", "  # note", "\t#x"])), max_size=6))
