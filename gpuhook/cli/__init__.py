@@ -27,11 +27,15 @@ def _parser() -> argparse.ArgumentParser:
     """The argument parser (built on demand, never for a plain hook call: see _hook_argv)."""
     import argparse
 
+    from gpuhook.daemon.wire import DEFAULT_SOCKET
+
     parser = argparse.ArgumentParser(prog="gpuhook", description="OCI hook that gives containers NVIDIA GPUs.")
     parser.add_argument(
         "--config", metavar="FILE", help="config file (default: $GPUHOOK_CONFIG, then /etc/gpuhook/config.yaml)"
     )
     parser.add_argument("--debug", action="store_true", help="log at debug level")
+    parser.add_argument("--daemon-socket", metavar="PATH",
+                        help=f"hooks: hand GPU requests to gpuhookd here (default {DEFAULT_SOCKET}; 'none': never)")
     parser.add_argument("--version", action="version", version=f"gpuhook {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for stage in HOOK_STAGES:
@@ -43,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     edit = commands.add_parser("spec-edit", help="write the requested GPU devices into <bundle>/config.json")
     edit.add_argument("--bundle", required=True, help="the OCI bundle directory (holding config.json)")
     commands.add_parser("precreate", help="podman's precreate stage: spec on stdin, edited spec on stdout")
+    daemon = commands.add_parser("daemon", help="gpuhookd: serve hooks from a warm process (systemd: gpuhookd.socket)")
+    daemon.add_argument("--socket", default=DEFAULT_SOCKET, help=f"listen here (default {DEFAULT_SOCKET}); "
+                        "ignored when systemd passes the socket")
+    daemon.add_argument("--request-timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="kill a request's worker after this long (default 120)")
     commands.add_parser("doctor", help="check the driver, ldconfig and device-cgroup set-up; say how to fix")
     info = commands.add_parser("info", help="the host's driver and GPUs")
     info.add_argument("--json", action="store_true", help="print JSON")
@@ -74,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in HOOK_STAGES:
             from gpuhook.cli.hook import run_hook
 
-            return run_hook(args.config, args.debug, sys.stdin.buffer, os.environ)
+            return run_hook(args.config, args.debug, sys.stdin.buffer, os.environ, daemon_socket=args.daemon_socket)
         if args.command in NOOP_STAGES:
             sys.stdin.buffer.read()  # drain: a runtime may block writing the state
             return 0
@@ -92,6 +101,10 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
     """The commands people run by hand (each imports its module only when used)."""
     env, config, debug = os.environ, args.config, args.debug
     match args.command:
+        case "daemon":
+            from gpuhook.cli.daemon import run_daemon
+
+            return run_daemon(args.socket, request_timeout=args.request_timeout, env=os.environ)
         case "doctor":
             from gpuhook.cli.doctor import run_doctor
 
@@ -143,6 +156,7 @@ def _hook_argv(words: Sequence[str]) -> SimpleNamespace | None:
     """
     config: str | None = None
     debug = False
+    daemon_socket: str | None = None
     rest = list(words)
     while len(rest) > 1:
         word = rest.pop(0)
@@ -152,16 +166,23 @@ def _hook_argv(words: Sequence[str]) -> SimpleNamespace | None:
             config = rest.pop(0)
         elif word.startswith("--config="):
             config = word.removeprefix("--config=")
+        elif word == "--daemon-socket" and len(rest) > 1:
+            daemon_socket = rest.pop(0)
         else:
             return None
     if len(rest) != 1 or rest[0] not in HOOK_STAGES + NOOP_STAGES:
         return None
-    return SimpleNamespace(command=rest[0], config=config, debug=debug)
+    return SimpleNamespace(command=rest[0], config=config, debug=debug, daemon_socket=daemon_socket)
 
 
 def _report_failure(err: GpuHookError) -> None:
     """One log event (if logging is set up) and one plain line on stderr."""
+    print(describe_failure(err), file=sys.stderr)
+
+
+def describe_failure(err: GpuHookError) -> str:
+    """Log *err* (if logging is set up) and return the line for the user (gpuhookd sends it back)."""
     log = sys.modules.get("gpuhook.log")
     if log is not None and log.is_configured():
         log.get_logger().error("hook_failed", kind=type(err).__name__, error=str(err))
-    print(f"gpuhook: {err}", file=sys.stderr)
+    return f"gpuhook: {err}"

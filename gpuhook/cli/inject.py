@@ -23,16 +23,20 @@ from gpuhook.request.model import GpuRequest
 
 def inject(
     config_arg: str | None, debug: bool, env: Mapping[str, str], state_obj: Mapping[str, Any],
-    spec_obj: Mapping[str, Any],
+    spec_obj: Mapping[str, Any], *, served_by: str, daemon_note: str | None = None,
 ) -> int:
-    """Give the container its GPUs; raises GpuHookError to refuse it."""
+    """Give the container its GPUs; raises GpuHookError to refuse it.
+
+    *served_by* ("hook" or "gpuhookd") goes into every log event; *daemon_note* says why the
+    hook did the work itself (logged once).
+    """
     started = time.monotonic()
     settle_process()
     state = state_from_object(state_obj)
     spec = spec_from_object(spec_obj, state.bundle)
     config = load_settings(config_arg, debug, env)
     log = get_logger()
-    log.bind(container_id=state.id, pid=state.pid)
+    log.bind(container_id=state.id, pid=state.pid, served_by=served_by)
     request = request_for(spec, config)
     if request is None:
         log.info("no_gpu_requested", privileged=spec.privileged)
@@ -42,7 +46,8 @@ def inject(
             f"the OCI state's pid is {state.pid}, not a host pid; run gpuhook as a prestart or createRuntime hook"
         )
     log.info("request_parsed", source=request.source, devices=request.raw,
-             capabilities=sorted(request.capabilities), requirements=[str(r) for r in request.requirements])
+             capabilities=sorted(request.capabilities), requirements=[str(r) for r in request.requirements],
+             **({"daemon": daemon_note} if daemon_note else {}))
     return inject_request(config, request, make_target(spec, config), state.pid, spec.rootfs, started)
 
 

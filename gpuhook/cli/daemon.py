@@ -1,0 +1,28 @@
+"""``gpuhook daemon``: run gpuhookd in the foreground (systemd's gpuhookd.service does this)."""
+
+from __future__ import annotations
+
+import os
+
+from gpuhook.daemon import server
+from gpuhook.errors import ConfigError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import MutableMapping
+
+
+def run_daemon(socket_path: str, *, request_timeout: float, env: MutableMapping[str, str]) -> int:
+    """Listen (on systemd's socket, else on *socket_path*), preload the GPU path, serve forever."""
+    if os.geteuid() != 0:
+        raise ConfigError("gpuhookd enters containers' namespaces and must run as root")
+    if request_timeout <= 0:
+        raise ConfigError(f"--request-timeout must be positive, got {request_timeout:g}")
+    listener = server.systemd_socket(env)
+    where = "the socket systemd passed" if listener is not None else socket_path
+    if listener is None:
+        listener = server.bind_socket(socket_path)
+    server.preload()
+    os.chdir("/")
+    server.say(f"serving on {where} (gpuhook {server.__version__}, pid {os.getpid()})")
+    server.serve(listener, request_timeout=request_timeout)

@@ -1,0 +1,113 @@
+"""The hook's side of gpuhookd: hand a GPU request to the warm daemon, or learn that it must be done here.
+
+Import-light on purpose (it runs on every GPU container start before anything heavy):
+``_socket`` and ``os``, no ``socket`` module (it imports ``enum``, ~3 ms).
+
+Falling back is safe only while the daemon cannot have started the work: a missing socket,
+a refused connection, a server that is not root, a send that failed, or a ``declined``
+reply. Once the request is sent, anything but a reply (the daemon died, the answer was cut
+off) is an error: the work may be half done and rolled back, and doing it again here could
+meet its leftovers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import _socket
+
+from gpuhook import __version__
+from gpuhook.daemon import wire
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+#: The hook's view of the host, passed as fds so the daemon's worker sees exactly it: the mount
+#: and cgroup namespaces it enters, the pid and user namespaces it must already share, the root.
+NAMESPACES = ("mnt", "cgroup", "pid", "user")
+#: Longer than the daemon's own per-request limit, so the daemon gives up (and rolls back) first.
+REPLY_TIMEOUT = 150.0
+_UCRED_SIZE = 12  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+
+class NotServed(Exception):  # noqa: N818 - an outcome, not a failure: the hook does the work itself
+    """The daemon did not take the request (no side effects); the message says why."""
+
+
+def call_daemon(path: str, *, config: str | None, debug: bool, env: Mapping[str, str], state: bytes,
+                spec: bytes) -> tuple[int, str]:
+    """(exit status, message for stderr) of the request as the daemon ran it; raises NotServed."""
+    parts = wire.hook_parts(__version__, config, debug, env, state, spec)
+    verdict, status, message = exchange(path, wire.encode_request(b"hook", parts))
+    if verdict != b"done":
+        raise NotServed(f"gpuhookd declined: {message}")
+    return status, message
+
+
+def ping(path: str) -> str:
+    """The version of the daemon serving *path*; raises NotServed."""
+    verdict, _, message = exchange(path, wire.encode_request(b"ping", [__version__.encode()]))
+    if verdict != b"pong":
+        raise NotServed(f"gpuhookd answered a ping with {verdict.decode()}: {message}")
+    return message
+
+
+def exchange(path: str, request: bytes) -> tuple[bytes, int, str]:
+    """Send *request* with our namespaces attached and return the decoded reply."""
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    try:
+        try:
+            sock.connect(path)
+        except OSError as err:  # ENOENT, ECONNREFUSED (stale socket), EACCES, ENOTSOCK, ...
+            raise NotServed(f"no gpuhookd at {path} ({err.strerror})") from None
+        uid = int.from_bytes(sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _UCRED_SIZE)[4:8],
+                             sys.byteorder)
+        if uid != 0:
+            # /run is root's, but a --daemon-socket elsewhere could be anyone's: never hand our
+            # namespaces to a process that is not root.
+            raise NotServed(f"{path} is served by uid {uid}, not root; not using it")
+        _send(sock, request)
+        return _receive_reply(sock, path)
+    finally:
+        sock.close()
+
+
+def _send(sock: _socket.socket, request: bytes) -> None:
+    """The request and, with its first byte, fds of our namespaces and root (SCM_RIGHTS)."""
+    fds = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in NAMESPACES]
+    try:
+        fds.append(os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        rights = b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
+        sock.settimeout(REPLY_TIMEOUT)
+        view = memoryview(request)
+        sent = sock.sendmsg([view], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
+        while sent < len(view):
+            sent += sock.send(view[sent:])
+    except OSError as err:
+        # The daemon starts work only on a whole request, so a failed send changed nothing.
+        raise NotServed(f"sending to gpuhookd failed ({err.strerror or err})") from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _receive_reply(sock: _socket.socket, path: str) -> tuple[bytes, int, str]:
+    """The whole reply; anything else is an error the hook reports (the work may have started)."""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while size <= wire.REPLY_LIMIT:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return wire.decode_reply(b"".join(chunks))
+    except (OSError, wire.WireError) as err:
+        from gpuhook.errors import ApplyError
+
+        why = "timed out" if isinstance(err, TimeoutError) else str(err)
+        raise ApplyError("gpuhookd", path, detail=f"no complete answer ({why}); see gpuhookd's journal "
+                         "(journalctl -u gpuhookd) and the hook log") from None

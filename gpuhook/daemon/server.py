@@ -1,0 +1,284 @@
+"""gpuhookd: the GPU path, imported once, forked per request.
+
+The parent imports the GPU path, then only accepts connections and forks; it never reads a
+byte a client sent. Each connection gets a fresh child that:
+
+1. checks the peer is root (SO_PEERCRED; the socket is also 0600 in a 0700 directory);
+2. reads one bounded request, with a deadline, and the fds the hook attached;
+3. declines (the hook then does the work itself) unless the hook runs the same gpuhook version
+   and shares the daemon's pid and user namespaces, since the OCI state's pid and the
+   container's ids are numbers in those;
+4. enters the hook's mount and cgroup namespaces and its root, so every path (bundle, rootfs,
+   driver root, config, log, cache) and the container's cgroup resolve exactly as they would
+   in the hook process (a runtime in a private mount namespace works unchanged);
+5. runs the same ``inject`` as the in-process hook and replies with its exit status and message.
+
+A child that outlives ``request_timeout`` is killed by SIGALRM; its own apply children die
+with it (PDEATHSIG), and the hook, seeing no reply, refuses the container.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import pkgutil
+import signal
+import socket
+import stat
+import sys
+import time
+import traceback
+
+from gpuhook import __version__, linux
+from gpuhook.daemon import wire
+from gpuhook.errors import ConfigError, GpuHookError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import NoReturn
+
+#: Loaded once in the parent besides every gpuhook module: NVML's binding for a cache miss and
+#: PyYAML for a config outside the flat subset. A worker may sit in another mount namespace,
+#: where this package's files need not exist, so a request must import nothing (a test checks).
+PRELOAD = ("pynvml", "yaml", "json", "traceback")
+READ_TIMEOUT = 5.0
+_FDS = 5  # the client's mnt, cgroup, pid and user namespaces, and its root
+
+
+def preload() -> None:
+    """Import the GPU path (all of gpuhook) now, so that no request pays for it."""
+    import gpuhook
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    for module in pkgutil.walk_packages(gpuhook.__path__, "gpuhook."):
+        if not module.name.endswith(".__main__"):  # that one runs the CLI
+            importlib.import_module(module.name)
+    # Keep the collector off the preloaded objects: a collection in a worker would touch (and so
+    # copy-on-write) every page of them; workers are short-lived and run without it (serve()).
+    gc.collect()
+    gc.freeze()
+
+
+def serve(listener: socket.socket, *, request_timeout: float) -> NoReturn:
+    """Accept forever; one forked child per connection."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError as err:  # EMFILE, ENOBUFS, ...: say so and keep serving
+            say(f"accept failed: {err}")
+            time.sleep(0.1)
+            continue
+        try:
+            pid = os.fork()
+        except OSError as err:
+            say(f"fork failed: {err}")
+            conn.close()
+            continue
+        if pid == 0:  # pragma: no cover - the worker; exercised through real runc in tests/e2e
+            listener.close()
+            gc.disable()
+            code = 0
+            try:
+                handle(conn, request_timeout=request_timeout)
+            except BaseException:  # noqa: BLE001 - a worker never unwinds into the accept loop
+                say(f"request failed:\n{traceback.format_exc()}")
+                code = 1
+            os._exit(code)
+        conn.close()
+
+
+def handle(conn: socket.socket, *, request_timeout: float) -> None:
+    """Serve one connection (in the worker child)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the apply step waits for its own children
+    signal.alarm(max(1, int(request_timeout)))
+    uid = _peer_uid(conn)
+    if uid != 0:
+        conn.sendall(wire.encode_reply(b"declined", 0, f"peer uid {uid} is not root"))
+        return
+    conn.settimeout(READ_TIMEOUT)
+    try:
+        kind, parts, fds = _receive(conn)
+    except (OSError, wire.WireError) as err:  # nothing was done: the hook may do it itself
+        conn.sendall(wire.encode_reply(b"declined", 0, f"unreadable request: {err}"))
+        return
+    try:
+        if kind == b"ping":
+            conn.sendall(wire.encode_reply(b"pong", 0, __version__))
+            return
+        version, config, debug, env, state, spec = wire.decode_hook_parts(parts)
+        reason = _enter_client_view(fds) if version == __version__ else (
+            f"gpuhookd runs gpuhook {__version__}, the hook {version} (restart gpuhookd after an upgrade)")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if reason:
+        conn.sendall(wire.encode_reply(b"declined", 0, reason))
+        return
+    status, message = run_request(config, debug, env, state, spec)
+    conn.settimeout(READ_TIMEOUT)
+    conn.sendall(wire.encode_reply(b"done", status, message))
+
+
+def run_request(config: str | None, debug: bool, env: dict[str, str], state: bytes, spec: bytes) -> tuple[int, str]:
+    """What the in-process hook would do with these inputs: (exit status, stderr text)."""
+    from gpuhook.cli import describe_failure
+    from gpuhook.cli.hook import STATE_WHAT
+    from gpuhook.cli.inject import inject
+    from gpuhook.oci import strictjson
+
+    before = set(sys.modules)
+    try:
+        state_obj = strictjson.loads_object(state, what=STATE_WHAT, limit=strictjson.STATE_LIMIT)
+        bundle = strictjson.get_str(state_obj, "bundle" if "bundle" in state_obj else "bundlePath", what=STATE_WHAT)
+        spec_obj = strictjson.loads_object(spec, what=f"{bundle}/config.json", limit=strictjson.SPEC_LIMIT)
+        inject(config, debug, env, state_obj, spec_obj, served_by="gpuhookd")
+    except GpuHookError as err:
+        return 1, describe_failure(err) + "\n"
+    except Exception:  # noqa: BLE001 - a bug: the hook shows the traceback, as it would in-process
+        return 1, f"gpuhook: internal error in gpuhookd:\n{traceback.format_exc()}"
+    finally:
+        _log_imports(sorted(set(sys.modules) - before))
+    return 0, ""
+
+
+def _log_imports(modules: Sequence[str]) -> None:
+    """A debug event naming modules a request had to import (PRELOAD should leave none)."""
+    from gpuhook import log
+
+    if log.is_configured():
+        log.get_logger().debug("request_imports", modules=list(modules))
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The connecting process's uid, from the kernel (SO_PEERCRED)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    return int.from_bytes(creds[4:8], sys.byteorder)
+
+
+def _receive(conn: socket.socket) -> tuple[bytes, list[bytes], list[int]]:
+    """(kind, parts, fds) of one request; raises WireError or OSError (timeout included)."""
+    data, ancillary, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            fds += [int.from_bytes(payload[i : i + 4], sys.byteorder) for i in range(0, usable, 4)]
+    try:
+        line, newline, body = data.partition(b"\n")
+        while not newline:
+            if len(line) > wire.HEADER_LIMIT:
+                raise wire.WireError("request header too long")
+            chunk = conn.recv(4096)
+            if not chunk:
+                raise wire.WireError("request ended inside its header")
+            line, newline, body = (line + chunk).partition(b"\n")
+        kind, sizes = wire.parse_header(line)
+        chunks, size, total = [body], len(body), sum(sizes)
+        while size < total:
+            chunk = conn.recv(min(1 << 20, total - size))
+            if not chunk:
+                raise wire.WireError(f"request ended after {size} of {total} bytes")
+            chunks.append(chunk)
+            size += len(chunk)
+        body = b"".join(chunks)
+        if size != total:
+            raise wire.WireError(f"request has {size - total} bytes past its end")
+        if kind == b"hook" and len(fds) != _FDS:
+            raise wire.WireError(f"a hook request carries {_FDS} fds, this one {len(fds)}")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return kind, wire.split_parts(body, sizes), fds
+
+
+def _enter_client_view(fds: Sequence[int]) -> str:
+    """Enter the hook's mount and cgroup namespaces and root; or why not ('' when entered)."""
+    mnt, cgroup, pid, user, root = fds
+    for fd, name in ((pid, "pid"), (user, "user")):
+        if _identity(os.fstat(fd)) != _identity(os.stat(f"/proc/self/ns/{name}")):
+            return (f"the hook runs in another {name} namespace than gpuhookd; "
+                    "the OCI state's pid would name another process here")
+    for fd, name, flag in ((mnt, "mnt", linux.CLONE_NEWNS), (cgroup, "cgroup", linux.CLONE_NEWCGROUP)):
+        if _identity(os.fstat(fd)) != _identity(os.stat(f"/proc/self/ns/{name}")):
+            linux.setns(fd, flag)  # the kernel checks that fd is a namespace of this type
+    os.fchdir(root)
+    os.chroot(".")
+    os.chdir("/")
+    return ""
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def say(message: str) -> None:
+    """One line for the daemon's journal."""
+    print(f"gpuhookd: {message}", file=sys.stderr, flush=True)
+
+
+# --- the listening socket -----------------------------------------------------------------------
+
+
+def systemd_socket(env: dict[str, str]) -> socket.socket | None:
+    """The socket systemd passed (socket activation, sd_listen_fds(3)), if any."""
+    if env.get("LISTEN_PID") != str(os.getpid()) or env.get("LISTEN_FDS") != "1":
+        return None
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        env.pop(name, None)
+    listener = socket.socket(fileno=3)
+    if listener.family != socket.AF_UNIX or listener.type != socket.SOCK_STREAM:
+        raise ConfigError("the socket systemd passed is not a unix stream socket; use ListenStream= with a path")
+    os.set_inheritable(3, False)
+    return listener
+
+
+def bind_socket(path: str) -> socket.socket:
+    """Listen on *path*: mode 0600 in a root-only directory; a stale socket file is replaced."""
+    if not path.startswith("/"):
+        raise ConfigError(f"the daemon socket {path!r} must be an absolute path")
+    try:
+        return _bind(path)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {path}: {err.strerror or err}") from err
+
+
+def _bind(path: str) -> socket.socket:
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise ConfigError(f"{directory} must be a directory owned by root and writable only by it "
+                          f"(it is mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid})")
+    _remove_stale(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    old = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(128)
+    return listener
+
+
+def _remove_stale(path: str) -> None:
+    """Unlink a socket nobody listens on; refuse to replace a live daemon or a non-socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"{path} exists and is not a socket; remove it or choose another --socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"another gpuhookd already serves {path}")
