@@ -3,8 +3,8 @@
 The parent imports the GPU path, then only accepts connections and forks; it never reads a
 byte a client sent. Each connection gets a fresh child that:
 
-1. checks the peer is root (SO_PEERCRED; the socket is also 0600 in a 0700 directory);
-2. reads one bounded request, with a deadline, and the fds the hook attached;
+1. reads one bounded request, with a deadline, and the fds the hook attached;
+2. checks the peer is root (SO_PEERCRED; the socket is also 0600 in a 0700 directory);
 3. declines (the hook then does the work itself) unless the hook runs the same gpuhook version
    and shares the daemon's pid and user namespaces, since the OCI state's pid and the
    container's ids are numbers in those;
@@ -95,21 +95,27 @@ def handle(conn: socket.socket, *, request_timeout: float) -> None:
     """Serve one connection (in the worker child)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the apply step waits for its own children
     signal.alarm(max(1, int(request_timeout)))
-    uid = _peer_uid(conn)
-    if uid != 0:
-        conn.sendall(wire.encode_reply(b"declined", 0, f"peer uid {uid} is not root"))
-        return
     conn.settimeout(READ_TIMEOUT)
+    # The whole request is read before any reply, even one refusing it: closing a unix socket with
+    # unread data resets the connection, and the peer would lose the reply.
     try:
         kind, parts, fds = _receive(conn)
     except (OSError, wire.WireError) as err:  # nothing was done: the hook may do it itself
         conn.sendall(wire.encode_reply(b"declined", 0, f"unreadable request: {err}"))
         return
     try:
+        uid = _peer_uid(conn)
+        if uid != 0:  # the socket is 0600 in a 0700 directory; this is the check that does not depend on it
+            conn.sendall(wire.encode_reply(b"declined", 0, f"peer uid {uid} is not root"))
+            return
         if kind == b"ping":
             conn.sendall(wire.encode_reply(b"pong", 0, __version__))
             return
-        version, config, debug, env, state, spec = wire.decode_hook_parts(parts)
+        try:
+            version, config, debug, env, state, spec = wire.decode_hook_parts(parts)
+        except wire.WireError as err:
+            conn.sendall(wire.encode_reply(b"declined", 0, f"unreadable request: {err}"))
+            return
         reason = _enter_client_view(fds) if version == __version__ else (
             f"gpuhookd runs gpuhook {__version__}, the hook {version} (restart gpuhookd after an upgrade)")
     finally:

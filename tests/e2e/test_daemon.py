@@ -1,0 +1,228 @@
+"""gpuhookd: real runc/crun containers whose hook hands the GPU work to a running daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuhook import __version__
+from gpuhook.daemon import client, wire
+from gpuhook.errors import ApplyError
+from integration.engines import tree_snapshot
+from integration.fakehost import FakeHost
+
+from .conftest import MakeContainer, hook_entry
+from .test_hook import PROBE, TWO_GPUS, lines
+
+START_TIMEOUT = 20.0
+
+
+class Daemon:
+    """A ``gpuhook daemon`` process on a private socket."""
+
+    def __init__(self, socket_dir: Path) -> None:
+        socket_dir.mkdir(mode=0o700, exist_ok=True)
+        self.socket = str(socket_dir / "gpuhookd.sock")
+        self.stderr = socket_dir.parent / "gpuhookd.stderr"
+        with self.stderr.open("wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-m", "gpuhook", "daemon", "--socket", self.socket],
+                                         stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd="/",
+                                         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                assert client.ping(self.socket) == __version__
+                return
+            except client.NotServed:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail(f"gpuhookd did not start: {self.stderr.read_text()}")
+                time.sleep(0.05)
+
+    def stop(self) -> str:
+        """Stop it; its stderr (the journal, in production)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=10)
+        return self.stderr.read_text()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """A running daemon; its journal must show no failed request."""
+    running = Daemon(tmp_path / "gpuhookd")
+    try:
+        yield running
+    finally:
+        journal = running.stop()
+    assert "request failed" not in journal, journal
+
+
+def open_up(path: Path) -> None:
+    """Let uid 65534 reach *path* (pytest's directories are 0700)."""
+    for directory in (path, *path.parents):
+        if directory == Path("/tmp"):
+            break
+        directory.chmod(0o755)
+
+
+def events_after(log: Path, offset: int) -> list[dict[str, Any]]:
+    """The hook log's events written past *offset*."""
+    with log.open("rb") as handle:
+        handle.seek(offset)
+        return [json.loads(line) for line in handle.read().splitlines()]
+
+
+def log_size(host: FakeHost) -> int:
+    """Where new events will start."""
+    log = host.root / "gpuhook.log"
+    return log.stat().st_size if log.exists() else 0
+
+
+@pytest.mark.parametrize("engine", ["runc", "crun", "runc-cgroup2"])
+def test_daemon_gives_the_same_gpus(make_container: MakeContainer, host: FakeHost, daemon: Daemon,
+                                    engine: str) -> None:
+    """The worker does what the in-process hook does, in the hook's namespaces: crun and runc-cgroup2
+    run in private mount namespaces (runc-cgroup2's cgroup2 mount exists only there), so the worker
+    must enter them to find the bundle, the rootfs and the cgroup."""
+    offset = log_size(host)
+    hook = hook_entry(host.config_path, "--debug", "--daemon-socket", daemon.socket, "prestart")
+    result = make_container(PROBE, TWO_GPUS, engine=engine, hook=hook).run()
+    assert result.returncode == 0, result.stderr
+    assert {
+        "/dev/nvidia1 ENXIO", "/dev/nvidia3 ENXIO", "/dev/nvidiactl ENXIO", "/dev/nvidia0 ENOENT",
+        "/tmp/gpu0 EPERM", "dlopen libcuda.so.1: OK", "dlopen libnvidia-ml.so.1: OK", "nvidia-smi OK",
+    } <= lines(result.stdout)
+    events = events_after(host.root / "gpuhook.log", offset)
+    assert {e["served_by"] for e in events} == {"gpuhookd"}
+    assert "applied" in {e["event"] for e in events}
+    # Everything the request needed was imported before the fork: a worker may sit in a mount
+    # namespace where this package's files do not exist.
+    assert [e["modules"] for e in events if e["event"] == "request_imports"] == [[]]
+
+
+def test_refusal_comes_back_and_leaves_nothing(make_container: MakeContainer, host: FakeHost,
+                                               daemon: Daemon) -> None:
+    """A refused request: the runtime shows gpuhook's message; the rootfs is unchanged."""
+    hook = hook_entry(host.config_path, "--daemon-socket", daemon.socket, "prestart")
+    container = make_container("true", {"NVIDIA_VISIBLE_DEVICES": "9"}, hook=hook)
+    before = tree_snapshot(container.rootfs)
+    offset = log_size(host)
+    result = container.run()
+    assert result.returncode != 0
+    assert "gpuhook: " in result.stderr and "no GPU with index 9" in result.stderr
+    assert tree_snapshot(container.rootfs) == before
+    failed = [e for e in events_after(host.root / "gpuhook.log", offset) if e["event"] == "hook_failed"]
+    assert [e["served_by"] for e in failed] == ["gpuhookd"]
+
+
+def test_without_a_daemon_the_hook_does_the_work(make_container: MakeContainer, host: FakeHost,
+                                                 tmp_path: Path) -> None:
+    """No socket: the same container, served in-process, and the log says why."""
+    absent = str(tmp_path / "absent" / "gpuhookd.sock")
+    offset = log_size(host)
+    hook = hook_entry(host.config_path, "--daemon-socket", absent, "prestart")
+    result = make_container(PROBE, TWO_GPUS, hook=hook).run()
+    assert result.returncode == 0, result.stderr
+    assert {"/dev/nvidia1 ENXIO", "dlopen libcuda.so.1: OK"} <= lines(result.stdout)
+    events = events_after(host.root / "gpuhook.log", offset)
+    assert {e["served_by"] for e in events} == {"hook"}
+    parsed = next(e for e in events if e["event"] == "request_parsed")
+    assert parsed["daemon"] == f"no gpuhookd at {absent} (No such file or directory)"
+
+
+def test_other_pid_namespace_is_declined(daemon: Daemon) -> None:
+    """A hook in another pid namespace names the container by a pid the daemon cannot use: declined,
+    so that hook works in-process."""
+    code = ("import sys\nfrom gpuhook.daemon import client\n"
+            "try:\n    client.call_daemon(sys.argv[1], config=None, debug=False, env={}, state=b'{}', spec=b'{}')\n"
+            "except client.NotServed as why:\n    print(why)\n")
+    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-I", "-c", code,
+                          daemon.socket], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == ("gpuhookd declined: the hook runs in another pid namespace than gpuhookd; "
+                                  "the OCI state's pid would name another process here")
+
+
+def test_hook_of_another_version_is_declined(daemon: Daemon) -> None:
+    """After an upgrade the old daemon must not serve the new hook."""
+    parts = wire.hook_parts("0.0.1", None, False, {}, b"{}", b"{}")
+    verdict, _, message = client.exchange(daemon.socket, wire.encode_request(b"hook", parts))
+    assert (verdict, message) == (b"declined", f"gpuhookd runs gpuhook {__version__}, the hook 0.0.1 "
+                                               "(restart gpuhookd after an upgrade)")
+
+
+def test_only_root_reaches_the_daemon(daemon: Daemon) -> None:
+    """The socket is 0600; opened up by mistake, the daemon still declines a non-root peer."""
+    code = ("import sys\nfrom gpuhook.daemon import client, wire\n"
+            "print(client.exchange(sys.argv[1], wire.encode_request(b'ping', [b'x']))[2])\n")
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-I", "-c", code,
+              daemon.socket]
+    socket_dir = Path(daemon.socket).parent
+    open_up(socket_dir.parent)
+    out = subprocess.run(nobody, capture_output=True, text=True, check=False, cwd="/")
+    assert "no gpuhookd at" in out.stderr and "Permission denied" in out.stderr  # the 0700 directory
+    socket_dir.chmod(0o755)
+    out = subprocess.run(nobody, capture_output=True, text=True, check=False, cwd="/")
+    assert "no gpuhookd at" in out.stderr and "Permission denied" in out.stderr  # the 0600 socket
+    Path(daemon.socket).chmod(0o666)
+    out = subprocess.run(nobody, capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "peer uid 65534 is not root"
+
+
+def test_client_never_talks_to_a_non_root_server(tmp_path: Path) -> None:
+    """A socket served by another uid gets neither the request nor the hook's namespace fds."""
+    open_up(tmp_path)
+    tmp_path.chmod(0o777)
+    path = tmp_path / "fake.sock"
+    code = ("import socket, sys, time\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen()\n"
+            "print('up', flush=True)\nc, _ = s.accept()\ntime.sleep(5)\n")
+    server = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable,
+                               "-I", "-c", code, str(path)], stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "up\n"
+        with pytest.raises(client.NotServed, match=r"is served by uid 65534, not root"):
+            client.ping(str(path))
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_an_answerless_daemon_fails_the_hook(tmp_path: Path) -> None:
+    """Once the request is sent, a daemon that dies without answering may have done part of the work:
+    the hook refuses the container instead of doing it again."""
+    path = str(tmp_path / "mute.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the mute server
+        conn, _ = listener.accept()
+        conn.recv(1 << 16)
+        os._exit(0)
+    try:
+        with pytest.raises(ApplyError, match="no complete answer"):
+            client.call_daemon(path, config=None, debug=False, env={}, state=b"{}", spec=b"{}")
+    finally:
+        os.waitpid(pid, 0)
+        listener.close()
+
+
+def test_a_second_daemon_refuses_a_live_socket(daemon: Daemon) -> None:
+    """Two daemons never share a socket; a stale socket file (nobody listening) is replaced."""
+    second = subprocess.run([sys.executable, "-I", "-m", "gpuhook", "daemon", "--socket", daemon.socket],
+                            capture_output=True, text=True, timeout=30, check=False, cwd="/")
+    assert second.returncode == 1
+    assert second.stderr.strip() == f"gpuhook: another gpuhookd already serves {daemon.socket}"
+    daemon.stop()
+    assert Path(daemon.socket).exists()  # left behind by the stopped daemon
+    Daemon(Path(daemon.socket).parent).stop()
