@@ -255,8 +255,25 @@ def close_range_cloexec(first: int) -> None:
     _check(_syscall(SYS_CLOSE_RANGE, first, 0xFFFFFFFF, CLOSE_RANGE_CLOEXEC), "close_range")
 
 
+#: statx(2) is not one of the unified numbers either; STATX_MNT_ID arrived in Linux 5.8.
+SYS_STATX: Final = {"x86_64": 332, "aarch64": 291}.get(os.uname().machine, 332)
+STATX_MNT_ID: Final = 0x1000
+_STATX_SIZE: Final = 256  # struct statx
+_STATX_MNT_ID_OFFSET: Final = 144  # __u64 stx_mnt_id, after stx_dev_minor
+
+
 def mount_id(fd: int) -> int:
-    """The id of the mount *fd* lives on (``mnt_id`` in /proc/self/fdinfo, Linux 3.15)."""
+    """The id of the mount *fd* lives on: statx's stx_mnt_id (one syscall), else fdinfo's mnt_id."""
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    if _syscall(SYS_STATX, fd, b"", AT_EMPTY_PATH, STATX_MNT_ID, buf) == 0:
+        mask = int.from_bytes(buf.raw[:4], "little")
+        if mask & STATX_MNT_ID:
+            return int.from_bytes(buf.raw[_STATX_MNT_ID_OFFSET : _STATX_MNT_ID_OFFSET + 8], "little")
+    return fdinfo_mount_id(fd)
+
+
+def fdinfo_mount_id(fd: int) -> int:
+    """``mnt_id`` in /proc/self/fdinfo (Linux 3.15), for kernels before statx's STATX_MNT_ID."""
     with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as info:
         for line in info:
             if line.startswith("mnt_id:"):

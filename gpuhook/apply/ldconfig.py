@@ -52,22 +52,51 @@ _LIMITS: Final = (
 )
 
 
-def open_ldconfig(path: Path) -> int:
-    """A sealed memfd copy of the host ldconfig, refusing a dynamically linked one."""
+#: Sealed copies made ahead of time (gpuhookd, before it forks workers), by the binary's
+#: (st_dev, st_ino, st_size, st_mtime_ns): a replaced or rewritten ldconfig is copied afresh.
+_SEALED: dict[tuple[int, int, int, int], int] = {}
+
+
+def seal_ahead(path: Path) -> None:
+    """Keep a sealed copy of *path* for the processes this one forks; raises ApplyError."""
+    fd = _open(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as err:
-        raise ApplyError("open ldconfig", str(path), errno_=err.errno) from err
-    try:
-        if _has_interpreter(fd):
-            raise ApplyError(
-                "open ldconfig", str(path),
-                detail="is dynamically linked; it would load libraries from the container. "
-                "Set `ldconfig:` to a static ldconfig (Debian and Ubuntu's /sbin/ldconfig is static)",
-            )
-        return _sealed_copy(fd, str(path))
+        _SEALED[_identity(os.fstat(fd))] = _checked_copy(fd, str(path))
     finally:
         os.close(fd)
+
+
+def open_ldconfig(path: Path) -> int:
+    """A sealed memfd copy of the host ldconfig, refusing a dynamically linked one."""
+    fd = _open(path)
+    try:
+        if (ahead := _SEALED.get(_identity(os.fstat(fd)))) is not None:
+            return os.dup(ahead)  # checked when it was made, and nothing can change a sealed memfd
+        return _checked_copy(fd, str(path))
+    finally:
+        os.close(fd)
+
+
+def _open(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise ApplyError("open ldconfig", str(path), errno_=err.errno) from err
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _checked_copy(fd: int, shown: str) -> int:
+    """Refuse a dynamically linked binary, else copy it into a sealed memfd."""
+    if _has_interpreter(fd):
+        raise ApplyError(
+            "open ldconfig", shown,
+            detail="is dynamically linked; it would load libraries from the container. "
+            "Set `ldconfig:` to a static ldconfig (Debian and Ubuntu's /sbin/ldconfig is static)",
+        )
+    return _sealed_copy(fd, shown)
 
 
 def _sealed_copy(fd: int, shown: str) -> int:

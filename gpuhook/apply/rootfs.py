@@ -52,6 +52,10 @@ class RootFs:
         self.root_fd = root_fd
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self._shared: frozenset[int] | None = None
+        # Directories already resolved, by container path: one plan puts many files into a few
+        # directories. Safe to reuse because everything mounted through this object is mounted
+        # over a regular file, which cannot change how a directory path resolves.
+        self._dirs: dict[str, int] = {}
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -73,9 +77,13 @@ class RootFs:
         directories it names are created there (runc's MkdirAllInRoot), so an
         image's absolute symlink can never lead outside the rootfs.
         """
+        if (known := self._dirs.get(path)) is not None:
+            return known
+        asked = path
         for _ in range(_MAX_STEPS):
             try:
-                return self.open(path, os.O_PATH | os.O_DIRECTORY)
+                fd = self._dirs[asked] = self.open(path, os.O_PATH | os.O_DIRECTORY)
+                return fd
             except FileNotFoundError:
                 path = self._create_next(path)
             except OSError as err:
@@ -106,28 +114,21 @@ class RootFs:
 
     # -- changes ---------------------------------------------------------------------------------
 
-    def mount_target(self, path: str, *, directory: bool = False) -> int:
-        """An O_PATH fd of a regular file (or dir) at *path* to mount over; created if absent."""
+    def mount_target(self, path: str) -> int:
+        """An O_PATH fd of a regular file at *path* to mount over; created if absent."""
         parent = PurePosixPath(path).parent
         name = PurePosixPath(path).name
         dir_fd = self.directory(str(parent))
         try:
-            if directory:
-                made = _exclusively(lambda: os.mkdir(name, 0o755, dir_fd=dir_fd))
-            else:
-                made = _exclusively(lambda: os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd)))
-            if made:
-                remove = os.rmdir if directory else os.unlink
-                self._record(f"remove {path}", lambda: remove(name, dir_fd=dir_fd))
+            if _exclusively(lambda: os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd))):
+                self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=dir_fd))
             fd = linux.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, linux.RESOLVE_NO_SYMLINKS)
         except OSError as err:
             raise ApplyError("create mount target", path, errno_=err.errno) from err
-        want = stat.S_ISDIR if directory else stat.S_ISREG
-        if not want(os.fstat(fd).st_mode):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            kind = "a directory" if directory else "a regular file"
-            detail = f"exists in the image and is not {kind}; refusing to mount over it"
-            raise ApplyError("create mount target", path, detail=detail)
+            raise ApplyError("create mount target", path,
+                             detail="exists in the image and is not a regular file; refusing to mount over it")
         return fd
 
     def mknod(self, path: str, major: int, minor: int, mode: int) -> None:

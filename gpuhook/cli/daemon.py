@@ -23,6 +23,7 @@ def run_daemon(socket_path: str, *, request_timeout: float, env: MutableMapping[
     if listener is None:
         listener = server.bind_socket(socket_path)
     server.preload()
+    server.prepare(env)
     os.chdir("/")
     server.say(f"serving on {where} (gpuhook {server.__version__}, pid {os.getpid()})")
     server.serve(listener, request_timeout=request_timeout)

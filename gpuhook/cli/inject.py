@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -76,7 +77,9 @@ def inject_request(
     report = apply_plan(plan, container, ldconfig=config.ldconfig, timeout=config.timeout_seconds)
     for what in report.skipped:
         log.warning("apply_skipped", what=what)
-    log.info("applied", ms=_ms(step), total_ms=_ms(started))
+    # Peak memory of this process (the hook, or gpuhookd's worker); the apply child is not counted.
+    log.info("applied", ms=_ms(step), total_ms=_ms(started),
+             peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
     return 0
 
 

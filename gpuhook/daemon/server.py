@@ -1,7 +1,8 @@
 """gpuhookd: the GPU path, imported once, forked per request.
 
-The parent imports the GPU path, then only accepts connections and forks; it never reads a
-byte a client sent. Each connection gets a fresh child that:
+The parent imports the GPU path, then only forks workers; it never touches a connection. Each
+worker waits in accept() (two are kept waiting, so no request waits for a fork), serves one
+connection and exits:
 
 1. reads one bounded request, with a deadline, and the fds the hook attached;
 2. checks the peer is root (SO_PEERCRED; the socket is also 0600 in a 0700 directory);
@@ -23,6 +24,7 @@ import gc
 import importlib
 import os
 import pkgutil
+import select
 import signal
 import socket
 import stat
@@ -36,7 +38,7 @@ from gpuhook.errors import ConfigError, GpuHookError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
     from typing import NoReturn
 
 #: Loaded once in the parent besides every gpuhook module: NVML's binding for a cache miss and
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 #: where this package's files need not exist, so a request must import nothing (a test checks).
 PRELOAD = ("pynvml", "yaml", "json", "traceback")
 READ_TIMEOUT = 5.0
+#: Workers kept forked and waiting in accept(); more absorb a burst of container starts.
+SPARE_WORKERS = 2
 _FDS = 5  # the client's mnt, cgroup, pid and user namespaces, and its root
 
 
@@ -62,33 +66,78 @@ def preload() -> None:
     gc.freeze()
 
 
-def serve(listener: socket.socket, *, request_timeout: float) -> NoReturn:
-    """Accept forever; one forked child per connection."""
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
+def prepare(env: Mapping[str, str]) -> None:
+    """Work the default configuration's requests can share: the sealed copy of its ldconfig."""
+    from gpuhook.apply.ldconfig import seal_ahead
+    from gpuhook.config import load_config, resolve_config_path
+
+    try:
+        path, required = resolve_config_path(None, env)
+        seal_ahead(load_config(path, required=required).ldconfig)
+    except GpuHookError as err:
+        say(f"ldconfig not prepared ({err}); each request copies it")
+
+
+def serve(listener: socket.socket, *, request_timeout: float, spares: int = SPARE_WORKERS) -> NoReturn:
+    """Keep *spares* forked workers waiting in accept(); fork a new one whenever one takes a connection.
+
+    Forking the warm daemon takes milliseconds (its page tables are copied), so it happens
+    before a request arrives, not while a container waits. Each worker serves one connection.
+    """
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
+    waiting: dict[int, int] = {}  # read end of a worker's pipe -> its pid
+    while True:
+        while len(waiting) < spares:
+            try:
+                read_fd, pid = _fork_worker(listener, request_timeout)
+            except OSError as err:  # EAGAIN, ENOMEM: say so, retry soon
+                say(f"fork failed: {err}")
+                time.sleep(0.1)
+                break
+            waiting[read_fd] = pid
+        if not waiting:
+            continue
+        # A byte (or EOF, if it died) on a worker's pipe: it left accept(); replace it.
+        for read_fd in select.select(list(waiting), [], [])[0]:
+            os.close(read_fd)
+            del waiting[read_fd]
+
+
+def _fork_worker(listener: socket.socket, request_timeout: float) -> tuple[int, int]:
+    """Fork one worker that waits for a connection; (read end of its taken-a-connection pipe, pid)."""
+    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid != 0:
+        os.close(write_fd)
+        return read_fd, pid
+    os.close(read_fd)  # pragma: no cover - the worker; exercised through real runc in tests/e2e
+    code = 0
+    try:
+        gc.disable()
+        # Idle workers go with the daemon; one serving a request finishes it (PDEATHSIG off again).
+        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:
+            os._exit(0)
+        conn = _accept(listener)
+        linux.prctl(linux.PR_SET_PDEATHSIG, 0)
+        os.write(write_fd, b"!")
+        os.close(write_fd)
+        listener.close()
+        handle(conn, request_timeout=request_timeout)
+    except BaseException:  # noqa: BLE001 - a worker never unwinds into the daemon's loop
+        say(f"request failed:\n{traceback.format_exc()}")
+        code = 1
+    os._exit(code)
+
+
+def _accept(listener: socket.socket) -> socket.socket:
+    """The next connection; transient errors (EMFILE, ENOBUFS, ...) are reported and retried."""
     while True:
         try:
-            conn, _ = listener.accept()
-        except OSError as err:  # EMFILE, ENOBUFS, ...: say so and keep serving
+            return listener.accept()[0]
+        except OSError as err:
             say(f"accept failed: {err}")
             time.sleep(0.1)
-            continue
-        try:
-            pid = os.fork()
-        except OSError as err:
-            say(f"fork failed: {err}")
-            conn.close()
-            continue
-        if pid == 0:  # pragma: no cover - the worker; exercised through real runc in tests/e2e
-            listener.close()
-            gc.disable()
-            code = 0
-            try:
-                handle(conn, request_timeout=request_timeout)
-            except BaseException:  # noqa: BLE001 - a worker never unwinds into the accept loop
-                say(f"request failed:\n{traceback.format_exc()}")
-                code = 1
-            os._exit(code)
-        conn.close()
 
 
 def handle(conn: socket.socket, *, request_timeout: float) -> None:

@@ -100,12 +100,20 @@ def test_nul_bytes_are_refused(hostile: Path) -> None:
 
 
 def test_mount_ids_and_errno() -> None:
-    """mnt_id comes from fdinfo; a failing raw call raises OSError with errno and path."""
-    fd = os.open("/", os.O_PATH)
-    try:
-        assert linux.mount_id(fd) > 0
-    finally:
-        os.close(fd)
+    """statx's mount id equals fdinfo's, on every mount; a failing raw call raises OSError with errno and path."""
+    mount_points = {line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()}
+    seen = set()
+    for point in sorted(mount_points)[:40]:
+        try:
+            fd = os.open(point, os.O_PATH)
+        except OSError:
+            continue  # hidden under another mount
+        try:
+            assert linux.mount_id(fd) == linux.fdinfo_mount_id(fd) > 0
+            seen.add(linux.mount_id(fd))
+        finally:
+            os.close(fd)
+    assert len(seen) > 3
     with pytest.raises(FileNotFoundError) as excinfo:
         linux.open_tree(-100, "/nonexistent/gpuhook", linux.OPEN_TREE_CLOEXEC)
     assert excinfo.value.filename == "/nonexistent/gpuhook"
