@@ -17,6 +17,7 @@ class Verdict(enum.StrEnum):
     """How a check came out."""
 
     OK = "ok"
+    NOTE = "note"  # works; an optional set-up would make it better (never a failure)
     WARN = "warn"
     FAIL = "FAIL"
 
@@ -133,3 +134,25 @@ def persistence_check(off: list[int]) -> Check:
         "gpuhook's inventory cache avoids it per container, but the first start after a driver change pays it",
         fix="systemctl enable --now nvidia-persistenced",
     )
+
+
+#: What a GPU container start costs without gpuhookd: the hook imports the GPU path itself.
+_IMPORT_COST = "Python's imports (about 80 ms)"
+
+
+def gpuhookd_check(path: str, *, served: str | None, version: str, why: str = "") -> Check:
+    """gpuhookd at *path*: serving *version* (ok), an older or newer one (restart it), or none (a notice).
+
+    *served* is the version the daemon answered a ping with, None when it did not (*why* says why).
+    The hook falls back to doing the work itself in both bad cases, so neither is a failure.
+    """
+    if served is None:
+        return Check(name="gpuhookd", verdict=Verdict.NOTE,
+                     message=f"{why}: each GPU container start pays {_IMPORT_COST} in the hook",
+                     fix="systemctl enable --now gpuhookd.socket")
+    if served != version:
+        return Check(name="gpuhookd", verdict=Verdict.WARN,
+                     message=f"gpuhookd {served} serves {path} but this is gpuhook {version}: it declines every "
+                     f"request until restarted, and each GPU container start pays {_IMPORT_COST} meanwhile",
+                     fix="systemctl restart gpuhookd.service")
+    return Check(name="gpuhookd", verdict=Verdict.OK, message=f"gpuhookd {served} serves {path}")

@@ -90,7 +90,7 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 def _checked_copy(fd: int, shown: str) -> int:
     """Refuse a dynamically linked binary, else copy it into a sealed memfd."""
-    if _has_interpreter(fd):
+    if _has_interpreter(fd, shown):
         raise ApplyError(
             "open ldconfig", shown,
             detail="is dynamically linked; it would load libraries from the container. "
@@ -119,11 +119,11 @@ def _sealed_copy(fd: int, shown: str) -> int:
     return memfd
 
 
-def _has_interpreter(fd: int) -> bool:
+def _has_interpreter(fd: int, shown: str) -> bool:
     """True if the ELF file has a PT_INTERP program header (is dynamically linked)."""
     header = os.pread(fd, 64, 0)
     if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2:
-        raise ApplyError("open ldconfig", f"fd {fd}", detail="is not a 64-bit ELF executable")
+        raise ApplyError("open ldconfig", shown, detail="is not a 64-bit ELF executable")
     endian = "<" if header[5] == 1 else ">"
     phoff, = struct.unpack_from(endian + "Q", header, 32)
     phentsize, phnum = struct.unpack_from(endian + "HH", header, 54)

@@ -108,7 +108,9 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
         case "doctor":
             from gpuhook.cli.doctor import run_doctor
 
-            return run_doctor(config, debug, env)
+            from gpuhook.daemon.wire import DEFAULT_SOCKET
+
+            return run_doctor(config, debug, env, daemon_socket=args.daemon_socket or DEFAULT_SOCKET)
         case "spec-edit":
             from gpuhook.cli import specedit
 

@@ -8,9 +8,12 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from gpuhook import __version__
 from gpuhook.apply.ldconfig import open_ldconfig
 from gpuhook.cli.common import load_settings
 from gpuhook.config import Config
+from gpuhook.daemon import client
+from gpuhook.daemon.wire import DEFAULT_SOCKET
 from gpuhook.discovery.host import HostDiscoverer
 from gpuhook.cli.runtime import RUNTIME_PATH
 from gpuhook.doctor import (
@@ -21,6 +24,7 @@ from gpuhook.doctor import (
     cgroup_driver,
     cgroup_mode,
     engine_checks,
+    gpuhookd_check,
     persistence_check,
 )
 from gpuhook.install import changes
@@ -106,7 +110,19 @@ def _cdi(config_arg: str | None, config: Config, env: Mapping[str, str]) -> tupl
     return cdi_checks(found, fresh)
 
 
-def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> int:
+def daemon_check(socket_path: str) -> Check:
+    """Does a gpuhookd of this version answer a ping on *socket_path*?"""
+    try:
+        served = client.ping(socket_path)
+    except client.NotServed as why:
+        return gpuhookd_check(socket_path, served=None, version=__version__, why=str(why))
+    except GpuHookError as err:  # it took the ping and gave no (whole) answer: a stuck or dying daemon
+        return Check(name="gpuhookd", verdict=Verdict.WARN, message=str(err), fix="systemctl restart gpuhookd.service")
+    return gpuhookd_check(socket_path, served=served, version=__version__)
+
+
+def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str], *,
+               daemon_socket: str = DEFAULT_SOCKET) -> int:
     """Print every check; exit status 1 if any failed."""
     config = load_settings(config_arg, debug, env)
     mode = cgroup_mode(_read("/proc/self/mountinfo") or "")
@@ -114,6 +130,6 @@ def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> i
                            docker_daemon_json=_read("/etc/docker/daemon.json"),
                            containerd_toml=_read("/etc/containerd/config.toml"))
     checks = (*_driver_checks(config), _ldconfig_check(config), *cgroup_checks(mode, driver), *_engines(),
-              *_cdi(config_arg, config, env))
+              *_cdi(config_arg, config, env), daemon_check(daemon_socket))
     sys.stdout.write("".join(check.render() + "\n" for check in checks))
     return 1 if any(check.verdict is Verdict.FAIL for check in checks) else 0

@@ -50,11 +50,26 @@ class Daemon:
                 time.sleep(0.05)
 
     def stop(self) -> str:
-        """Stop it; its stderr (the journal, in production)."""
+        """Stop it (its idle workers go with it); its stderr (the journal, in production)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while self.processes():
+            assert time.monotonic() < deadline, f"gpuhookd workers outlived the daemon: {self.processes()}"
+            time.sleep(0.05)
         return self.stderr.read_text()
+
+    def processes(self) -> list[int]:
+        """Pids running this daemon's command line: the daemon and its forked workers."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and self.socket.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue  # exited meanwhile
+        return found
 
 
 @pytest.fixture
@@ -87,6 +102,20 @@ def log_size(host: FakeHost) -> int:
     """Where new events will start."""
     log = host.root / "gpuhook.log"
     return log.stat().st_size if log.exists() else 0
+
+
+def test_spare_workers_wait_for_requests(daemon: Daemon) -> None:
+    """Two forked workers wait in accept(), so no request waits for a fork; one per request."""
+    deadline = time.monotonic() + 5
+    while len(daemon.processes()) != 3:
+        assert time.monotonic() < deadline, daemon.processes()
+        time.sleep(0.05)
+    before = set(daemon.processes())
+    client.ping(daemon.socket)
+    while len(after := set(daemon.processes())) != 3 or after == before:
+        assert time.monotonic() < deadline, (before, after)
+        time.sleep(0.05)
+    assert len(before - after) == 1  # the worker that answered exited; a new one waits
 
 
 @pytest.mark.parametrize("engine", ["runc", "crun", "runc-cgroup2"])
@@ -215,6 +244,29 @@ def test_an_answerless_daemon_fails_the_hook(tmp_path: Path) -> None:
     finally:
         os.waitpid(pid, 0)
         listener.close()
+
+
+@pytest.mark.parametrize(
+    ("prepare", "user", "message"),
+    [
+        pytest.param(lambda d: None, ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"],
+                     "gpuhookd enters containers' namespaces and must run as root", id="not-root"),
+        pytest.param(lambda d: (d.mkdir(), d.chmod(0o777)), [],
+                     "must be a directory owned by root and writable only by it", id="open-directory"),
+        pytest.param(lambda d: (d.mkdir(mode=0o700), (d / "gpuhookd.sock").write_text("")), [],
+                     "exists and is not a socket", id="not-a-socket"),
+    ],
+)
+def test_daemon_refuses_unsafe_setups(tmp_path: Path, prepare: Any, user: list[str], message: str) -> None:
+    """Each refusal is one line naming the problem, exit status 1, no traceback."""
+    socket_dir = tmp_path / "run"
+    prepare(socket_dir)
+    open_up(tmp_path)
+    out = subprocess.run([*user, sys.executable, "-I", "-m", "gpuhook", "daemon", "--socket",
+                          str(socket_dir / "gpuhookd.sock")], capture_output=True, text=True, timeout=30,
+                         check=False, cwd="/")
+    assert out.returncode == 1, out
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_a_second_daemon_refuses_a_live_socket(daemon: Daemon) -> None:

@@ -18,14 +18,17 @@ import os
 import shlex
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
+from gpuhook.daemon import client
 from integration.engines import default_spec, tree_snapshot, unique_id, write_bundle
 from integration.fakehost import FakeHost
 from integration.rootfs import build_rootfs, copy_rootfs
@@ -167,6 +170,24 @@ class Chroot:
     def run(self, script: str, *, check: bool = True, timeout: float = 300,
             env: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
         """Run script with /bin/sh -e inside the root; fail the test with its output if check and it fails."""
+        proc = subprocess.run(self._argv(script, env), capture_output=True, text=True, check=False,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+        assert not mounts_under(self.root), f"mounts left under {self.root}: {mounts_under(self.root)}"
+        if check and proc.returncode != 0:
+            pytest.fail(f"in the chroot, `{script}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def spawn(self, script: str, *, output: IO[bytes], env: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        """Start script inside the root in the background (stdout and stderr to output).
+
+        unshare, the set-up shell, chroot and the inner shells all exec, so a script that ends by
+        exec'ing a command gives that command the returned process's pid: killing it ends the
+        command and, with its last process, the private mount namespace and its mounts.
+        """
+        return subprocess.Popen(self._argv(script, env), stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+
+    def _argv(self, script: str, env: Sequence[str]) -> list[str]:
+        """The host command that runs script with /bin/sh -e inside the root, in a new mount namespace."""
         root = shlex.quote(str(self.root))
         setup = [
             f"mount --bind {root} {root}",  # pivot_root needs the new root to be a mount point
@@ -183,13 +204,7 @@ class Chroot:
         # The old root is put on the root's empty /mnt and detached at once.
         pivot = ["/bin/sh", "-c", 'umount -l /mnt && exec "$@"', "sh", *inner]
         wrapper = " && ".join([*setup, f"cd {root}", "pivot_root . mnt"]) + " && exec chroot . " + shlex.join(pivot)
-        proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-ec", wrapper],
-                              capture_output=True, text=True, check=False, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
-        assert not mounts_under(self.root), f"mounts left under {self.root}: {mounts_under(self.root)}"
-        if check and proc.returncode != 0:
-            pytest.fail(f"in the chroot, `{script}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-        return proc
+        return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-ec", wrapper]
 
 
 def package_paths(names: Sequence[str]) -> set[str]:
@@ -351,3 +366,93 @@ def check_gpu_containers(installed: InstalledRoot) -> None:
     # The hook used the package's default log file and inventory cache: what a purge must remove.
     assert (installed.root / "var/log/gpuhook.log").is_file()
     assert any((installed.root / "run/gpuhook").glob("inventory-*.json"))
+
+
+#: gpuhookd's systemd units as the repository has them (the packages must install them unchanged).
+UNITS = {name: REPO / "packaging/systemd" / name for name in ("gpuhookd.socket", "gpuhookd.service")}
+
+
+def check_units(installed: InstalledRoot) -> None:
+    """gpuhookd's socket and service are installed (mode 0644) with the repository's content."""
+    for name, source in UNITS.items():
+        path = installed.root / "usr/lib/systemd/system" / name  # /lib is /usr/lib in the merged-/usr root
+        assert path.read_bytes() == source.read_bytes(), name
+        assert path.stat().st_mode & 0o7777 == 0o644, name
+
+
+@contextmanager
+def running_gpuhookd(installed: InstalledRoot, version: str) -> Iterator[str]:
+    """The installed `gpuhook daemon` running inside the root, on a socket in a fresh 0700 directory.
+
+    Yields the socket's path in the root, once the daemon answers a ping with the package's
+    version; kills it at the end, whatever happened. It runs in a mount namespace of its own
+    (each Chroot command gets one), not the one where runc and the hook run: its worker enters
+    the hook's mount namespace and root from the fds the hook sends, as it would enter the
+    private mount namespace of a runtime on a real host.
+    """
+    socket_dir = Path(tempfile.mkdtemp(prefix="gpuhookd-", dir=installed.root / "run"))  # mode 0700
+    inside = f"/{socket_dir.relative_to(installed.root)}/gpuhookd.sock"
+    host_path = str(socket_dir / "gpuhookd.sock")  # the same socket, reached from the test process
+    journal = socket_dir.parent / f"{socket_dir.name}.journal"
+    with journal.open("wb") as output:
+        proc = installed.chroot.spawn(f"exec gpuhook daemon --socket {shlex.quote(inside)}", output=output)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                served = client.ping(host_path)
+                break
+            except client.NotServed:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the installed gpuhookd did not answer a ping:\n{journal.read_text()}")
+                time.sleep(0.05)
+        assert served == version
+        yield inside
+        assert "request failed" not in journal.read_text(), journal.read_text()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        journal.unlink()
+        shutil.rmtree(socket_dir)
+    assert not mounts_under(installed.root), f"mounts left under {installed.root}: {mounts_under(installed.root)}"
+
+
+def check_gpuhookd_container(installed: InstalledRoot, version: str) -> None:
+    """A real `runc run` whose hook (the registered launcher, --daemon-socket) is served by the installed gpuhookd."""
+    registered = json.loads((installed.root / "usr/share/containers/oci/hooks.d/gpuhook.json").read_text())["hook"]
+    name = unique_id("pkg-gpuhookd")
+    log = installed.root / "var/log/gpuhook.log"
+    with running_gpuhookd(installed, version) as socket_path:
+        hook = {**registered, "args": [registered["args"][0], "--daemon-socket", socket_path, "prestart"]}
+        proc = installed.run_gpu_container(hook, name)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert {line.strip() for line in proc.stdout.splitlines()} >= GPU_SEES, proc.stdout
+    events = [event for event in map(json.loads, log.read_text().splitlines()) if event.get("container_id") == name]
+    assert "applied" in {event["event"] for event in events}, events
+    assert {event["served_by"] for event in events} == {"gpuhookd"}, events
+
+
+@contextmanager
+def systemd_running(root: Path) -> Iterator[Path]:
+    """Make the maintainer scripts see a running systemd: /run/systemd/system and a systemctl that
+    logs its arguments (it says every unit is enabled). Yields the log; removes all of it after.
+
+    The fake is /usr/sbin/systemctl: on the PATH apt gives dpkg (DPkg::Path has no /usr/local) and
+    rpm gives scriptlets, and not where deb-systemd-helper looks for a real one (/bin, /usr/bin),
+    which would change what it does.
+    """
+    made = [d for d in (root / "run/systemd", root / "run/systemd/system") if not d.exists()]
+    for directory in made:
+        directory.mkdir()
+    log = root / "run/systemctl.log"
+    fake = root / "usr/sbin/systemctl"
+    assert not fake.exists() and not (root / "usr/bin/systemctl").exists()  # the root has no systemd
+    fake.write_text('#!/bin/sh\necho "$*" >> /run/systemctl.log\n')
+    fake.chmod(0o755)
+    try:
+        yield log
+    finally:
+        fake.unlink()
+        log.unlink(missing_ok=True)
+        for directory in reversed(made):
+            directory.rmdir()

@@ -1,13 +1,16 @@
 """The .deb: built with nfpm, installed with apt into a clean Debian 12 root, used there, purged.
 
 Inside the root: `gpuhook --version` and NVIDIA's names, `gpuhook info` against the simulated host,
-real `runc run`s of a GPU container with the installed hook; then `apt-get remove` keeps only the
-conffile and `apt-get purge` leaves nothing of gpuhook (only dpkg's and apt's own bookkeeping).
+real `runc run`s of a GPU container with the installed hook, one of them served by the installed
+gpuhookd; gpuhookd.socket enabled, and restarted on upgrade when systemd runs; then `apt-get
+remove` keeps only the conffile and `apt-get purge` leaves nothing of gpuhook (only dpkg's and
+apt's own bookkeeping).
 """
 
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -21,10 +24,13 @@ from .conftest import (
     changed,
     check_commands,
     check_gpu_containers,
+    check_gpuhookd_container,
     check_info,
+    check_units,
     deb_files,
     install_root,
     package_paths,
+    systemd_running,
 )
 
 #: what installing and purging any package changes outside the package's own files.
@@ -67,6 +73,7 @@ def test_deb_contents(packages: Packages) -> None:
         "/usr/bin/nvidia-container-cli", "/usr/bin/gpuhook-runtime", "/etc/gpuhook/config.yaml",
         "/usr/share/containers/oci/hooks.d/gpuhook.json", "/usr/lib/systemd/system/gpuhook-cdi-refresh.path",
         "/usr/lib/systemd/system/gpuhook-cdi-refresh.service", "/usr/lib/udev/rules.d/71-gpuhook-cdi-refresh.rules",
+        "/usr/lib/systemd/system/gpuhookd.socket", "/usr/lib/systemd/system/gpuhookd.service",
         "/usr/share/man/man1/gpuhook.1.gz", "/usr/share/doc/gpuhook/changelog.gz",
         "/usr/lib/gpuhook/bin/python", "/usr/lib/gpuhook/bin/gpuhook-hook", "/usr/lib/gpuhook/pyvenv.cfg",
     } <= files
@@ -75,14 +82,29 @@ def test_deb_contents(packages: Packages) -> None:
 
 
 def test_install_says_what_to_restart(installed: InstalledRoot) -> None:
-    """The postinst restarts nothing, says what to restart, and enables the CDI refresh path unit."""
+    """The postinst restarts nothing, says what to restart, and enables the CDI refresh path unit and
+    gpuhookd's socket (the service is started by the socket, so it has no link of its own)."""
     out = installed.install_output
     assert "Setting up gpuhook" in out
     assert "No container engine was restarted" in out
     assert "systemctl restart docker" in out
+    assert "gpuhookd.socket starts a warm daemon" in out
     assert "WARNING" not in out  # the shipped config parses
     wants = installed.root / "etc/systemd/system/multi-user.target.wants/gpuhook-cdi-refresh.path"
     assert wants.is_symlink()
+    socket = installed.root / "etc/systemd/system/sockets.target.wants/gpuhookd.socket"
+    assert socket.readlink() == Path("/lib/systemd/system/gpuhookd.socket")
+    assert not list((installed.root / "etc/systemd/system").rglob("gpuhookd.service"))
+
+
+def test_gpuhookd_units(installed: InstalledRoot) -> None:
+    """gpuhookd.socket and gpuhookd.service are installed as the repository has them."""
+    check_units(installed)
+
+
+def test_runc_gpu_container_served_by_gpuhookd(installed: InstalledRoot, packages: Packages) -> None:
+    """The installed gpuhookd, running in the root, does the GPU work of a real runc container's hook."""
+    check_gpuhookd_container(installed, packages.version)
 
 
 def test_installed_files_match_the_package(installed: InstalledRoot, packages: Packages) -> None:
@@ -113,12 +135,19 @@ def test_runc_gpu_container(installed: InstalledRoot) -> None:
 
 
 def test_reinstall_keeps_the_edited_config(installed: InstalledRoot, packages: Packages) -> None:
-    """An upgrade-style reinstall (prerm/postrm `upgrade`) keeps the venv and the admin's conffile."""
+    """An upgrade-style reinstall (prerm/postrm `upgrade`) keeps the venv and the admin's conffile; with
+    systemd running, the postinst restarts a running gpuhookd (so it runs the new code) and nothing else."""
     config = (installed.root / "etc/gpuhook/config.yaml").read_text()
     dist = packages.deb.parent
-    installed.chroot.run(f"cd {dist} && dpkg -i ./{packages.deb.name}")
+    with systemd_running(installed.root) as systemctl:
+        installed.chroot.run(f"cd {dist} && dpkg -i ./{packages.deb.name}")
+        calls = systemctl.read_text().splitlines()
+    assert "try-restart gpuhookd.service" in calls
+    assert "start gpuhookd.socket" in calls and "--system daemon-reload" in calls
+    assert not [call for call in calls if "stop" in call.split() or "docker" in call]
     assert (installed.root / "etc/gpuhook/config.yaml").read_text() == config
     check_info(installed)
+    check_units(installed)
 
 
 def test_remove_then_purge_leaves_nothing(installed: InstalledRoot) -> None:
@@ -128,7 +157,10 @@ def test_remove_then_purge_leaves_nothing(installed: InstalledRoot) -> None:
     daemon_json = root / "etc/docker/daemon.json"
     daemon_json.parent.mkdir(parents=True)
     daemon_json.write_text('{"runtimes": {"gpuhook": {"path": "/usr/lib/gpuhook/bin/gpuhook-runtime"}}}\n')
-    removed = chroot.run("apt-get remove -y gpuhook")
+    with systemd_running(root) as systemctl:
+        removed = chroot.run("apt-get remove -y gpuhook")
+        calls = systemctl.read_text().splitlines()
+    assert "stop gpuhookd.socket gpuhookd.service" in calls  # the prerm: no daemon outlives the package
     said = removed.stdout + removed.stderr
     assert "/etc/docker/daemon.json" in said and "will fail once it is removed" in said
     assert "gpuhook-runtime" in daemon_json.read_text()
@@ -137,7 +169,9 @@ def test_remove_then_purge_leaves_nothing(installed: InstalledRoot) -> None:
     assert not (root / "usr/bin/gpuhook").exists()
     assert not (root / "usr/lib/gpuhook").exists()
     assert (root / "etc/gpuhook/config.yaml").is_file()
+    assert (root / "etc/systemd/system/sockets.target.wants/gpuhookd.socket").is_symlink()  # until the purge
     chroot.run("apt-get purge -y gpuhook")
+    assert not (root / "etc/systemd/system/sockets.target.wants/gpuhookd.socket").is_symlink()
     left = changed(installed.before, tree_snapshot(root), DPKG_BOOKKEEPING)
     assert left == []
     status = chroot.run("dpkg-query -W -f='${db:Status-Abbrev}' gpuhook", check=False)

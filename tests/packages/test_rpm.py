@@ -3,8 +3,9 @@
 Into an empty root (no shell there, so --noscripts): exactly the listed files, with their modes and
 link targets, `rpm -V` clean, and an erase that leaves only rpm's database. Into a clean Debian 12
 root (which has /bin/sh, python3.11 and runc) with its scriptlets: the same checks as the .deb
-(`gpuhook --version`, `gpuhook info`, real `runc run`s of a GPU container), then `rpm -e` leaves
-nothing of gpuhook.
+(`gpuhook --version`, `gpuhook info`, real `runc run`s of a GPU container, one served by the
+installed gpuhookd; gpuhookd restarted on upgrade and stopped on erase when systemd runs), then
+`rpm -e` leaves nothing of gpuhook.
 """
 
 from __future__ import annotations
@@ -20,16 +21,20 @@ from integration.engines import tree_snapshot
 from integration.fakehost import FakeHost
 
 from .conftest import (
+    UNITS,
     InstalledRoot,
     Packages,
     changed,
     check_commands,
     check_gpu_containers,
+    check_gpuhookd_container,
     check_info,
+    check_units,
     deb_files,
     install_root,
     need,
     rpm_files,
+    systemd_running,
 )
 
 #: rpm's own database (--dbpath /var/lib/rpm, as on RPM distributions).
@@ -73,6 +78,7 @@ def test_rpm_name_and_relations(packages: Packages) -> None:
 def test_rpm_lists_the_same_files_as_the_deb(packages: Packages) -> None:
     """rpm -qpl and dpkg-deb -c agree (systemd and udev files under /usr/lib on RPM, /lib on Debian)."""
     listed = set(rpm("-qpl", str(packages.rpm)).stdout.split())
+    assert {f"/usr/lib/systemd/system/{unit}" for unit in UNITS} <= listed  # gpuhookd's socket and service
     assert rpm_files(packages.rpm) <= listed
     assert rpm_files(packages.rpm) == deb_files(packages.deb)
 
@@ -125,6 +131,7 @@ def test_scriptlets_on_install(installed: InstalledRoot) -> None:
     """%post restarts nothing and says what to restart; the config check passes."""
     assert "No container engine was restarted" in installed.install_output
     assert "systemctl restart docker" in installed.install_output
+    assert "gpuhookd.socket starts a warm daemon" in installed.install_output
     assert "WARNING" not in installed.install_output
 
 
@@ -143,10 +150,25 @@ def test_runc_gpu_container(installed: InstalledRoot) -> None:
     check_gpu_containers(installed)
 
 
+def test_gpuhookd_units(installed: InstalledRoot) -> None:
+    """gpuhookd.socket and gpuhookd.service are installed as the repository has them."""
+    check_units(installed)
+
+
+def test_runc_gpu_container_served_by_gpuhookd(installed: InstalledRoot, packages: Packages) -> None:
+    """The rpm's gpuhookd, running in the root, does the GPU work of a real runc container's hook."""
+    check_gpuhookd_container(installed, packages.version)
+
+
 def test_upgrade_keeps_the_venv_and_config(installed: InstalledRoot, packages: Packages) -> None:
-    """rpm -U --replacepkgs: %post with 2, the old %postun with 1 must not remove the new files."""
+    """rpm -U --replacepkgs: %post with 2, the old %postun with 1 must not remove the new files; with
+    systemd running, %post restarts a running gpuhookd and the old %preun (1) stops nothing."""
     config = (installed.root / "etc/gpuhook/config.yaml").read_text()
-    rpm("--root", str(installed.root), "-U", "--replacepkgs", "--nodeps", str(packages.rpm))
+    with systemd_running(installed.root) as systemctl:
+        rpm("--root", str(installed.root), "-U", "--replacepkgs", "--nodeps", str(packages.rpm))
+        calls = systemctl.read_text().splitlines()
+    assert "try-restart gpuhookd.service" in calls
+    assert not [call for call in calls if "stop" in call.split() or "preset" in call.split()]
     assert (installed.root / "etc/gpuhook/config.yaml").read_text() == config
     check_commands(installed, packages.version)
 
@@ -154,7 +176,11 @@ def test_upgrade_keeps_the_venv_and_config(installed: InstalledRoot, packages: P
 def test_erase_leaves_nothing(installed: InstalledRoot) -> None:
     """rpm -e: files, the edited config (kept as .rpmsave, rpm's rule), log and cache handled."""
     root = installed.root
-    rpm("--root", str(root), "-e", "--nodeps", "gpuhook")
+    with systemd_running(root) as systemctl:
+        rpm("--root", str(root), "-e", "--nodeps", "gpuhook")
+        calls = systemctl.read_text().splitlines()
+    assert "stop gpuhookd.socket gpuhookd.service" in calls
+    assert "--no-reload disable gpuhook-cdi-refresh.path gpuhookd.socket" in calls
     # rpm keeps an edited %config(noreplace) file as .rpmsave: the admin's, not the package's.
     saved = root / "etc/gpuhook/config.yaml.rpmsave"
     assert saved.is_file()

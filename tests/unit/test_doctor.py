@@ -1,9 +1,11 @@
-"""gpuhook doctor's decisions: cgroup mode, cgroup driver, daemon-reload exposure."""
+"""gpuhook doctor's decisions: cgroup mode, cgroup driver, daemon-reload exposure, gpuhookd."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,7 @@ def test_doctor_on_the_simulated_host(host: FakeHost, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"[ ok ] driver: NVIDIA {host.driver_version} (CUDA {host.cuda_version}), 4 GPU(s)" in out.stdout
     assert "[ ok ] cgroup driver: cgroupfs" in out.stdout
+    assert "] gpuhookd: " in out.stdout  # whatever serves this machine's default socket: never a failure
     empty = tmp_path / "no-driver.yaml"
     empty.write_text(f"driver_root: {tmp_path}\ndev_root: {tmp_path}\nproc_root: {tmp_path}\nlog_file: null\n")
     broken = subprocess.run([sys.executable, "-I", "-m", "gpuhook", "--config", str(empty), "doctor"],
@@ -105,3 +108,88 @@ def test_persistence_mode_check() -> None:
     assert persistence_check([]).verdict is Verdict.OK
     warning = persistence_check([0, 3])
     assert warning.verdict is Verdict.WARN and "GPU 0, 3" in warning.message and "nvidia-persistenced" in warning.fix
+
+
+def test_gpuhookd_verdicts() -> None:
+    """Serving this version is ok; another version is a problem fixed by a restart; none is a notice."""
+    from gpuhook.doctor import gpuhookd_check
+
+    ok = gpuhookd_check("/run/x.sock", served="1.2.0", version="1.2.0")
+    assert (ok.verdict, ok.message, ok.fix) == (Verdict.OK, "gpuhookd 1.2.0 serves /run/x.sock", "")
+    stale = gpuhookd_check("/run/x.sock", served="1.1.0", version="1.2.0")
+    assert stale.verdict is Verdict.WARN and stale.fix == "systemctl restart gpuhookd.service"
+    assert "gpuhookd 1.1.0 serves /run/x.sock but this is gpuhook 1.2.0" in stale.message
+    off = gpuhookd_check("/run/x.sock", served=None, version="1.2.0", why="no gpuhookd at /run/x.sock (refused)")
+    assert off.verdict is Verdict.NOTE and off.fix == "systemctl enable --now gpuhookd.socket"
+    assert off.message.startswith("no gpuhookd at /run/x.sock (refused): ") and "about 80 ms" in off.message
+    assert off.render().startswith("[note] gpuhookd: ")
+
+
+@pytest.fixture
+def gpuhookd(tmp_path: Path) -> Iterator[str]:
+    """A real `gpuhook daemon` on a socket in a fresh 0700 directory; its path once it answers a ping."""
+    from gpuhook.daemon import client
+
+    socket_dir = tmp_path / "gpuhookd"
+    socket_dir.mkdir(mode=0o700)
+    path = str(socket_dir / "gpuhookd.sock")
+    journal = tmp_path / "gpuhookd.log"
+    with journal.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-I", "-m", "gpuhook", "daemon", "--socket", path],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, env={"PATH": "/usr/bin:/bin"})
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping(path)
+                break
+            except client.NotServed:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"gpuhookd did not answer a ping: {journal.read_text()}")
+                time.sleep(0.05)
+        yield path
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_gpuhookd_check_with_a_real_daemon(gpuhookd: str) -> None:
+    """The check pings the daemon on the given socket and reports its version."""
+    from gpuhook import __version__
+    from gpuhook.cli.doctor import daemon_check
+
+    check = daemon_check(gpuhookd)
+    assert (check.verdict, check.message) == (Verdict.OK, f"gpuhookd {__version__} serves {gpuhookd}")
+
+
+def test_gpuhookd_check_without_a_daemon(tmp_path: Path) -> None:
+    """No socket, or a socket nobody listens on (a killed daemon's): a notice saying why, never a failure."""
+    import socket
+
+    from gpuhook.cli.doctor import daemon_check
+
+    missing = daemon_check(str(tmp_path / "none.sock"))
+    assert missing.verdict is Verdict.NOTE and "No such file or directory" in missing.message
+    stale_path = str(tmp_path / "stale.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+        stale.bind(stale_path)  # bound, never listening: connect() is refused
+        refused = daemon_check(stale_path)
+    assert refused.verdict is Verdict.NOTE and "refused" in refused.message
+    assert refused.fix == "systemctl enable --now gpuhookd.socket"
+
+
+def test_gpuhookd_units_run_the_daemon_on_its_default_socket() -> None:
+    """gpuhookd.service starts a command the parser accepts, listening where gpuhookd.socket does."""
+    import shlex
+
+    from gpuhook.cli import _parser
+    from gpuhook.daemon.wire import DEFAULT_SOCKET
+
+    units = Path(__file__).parents[2] / "packaging/systemd"
+    service = (units / "gpuhookd.service").read_text().splitlines()
+    (line,) = [entry for entry in service if entry.startswith("ExecStart=")]
+    argv = shlex.split(line.removeprefix("ExecStart="))
+    args = _parser().parse_args(argv[1:])
+    assert (argv[0], args.command, args.socket) == ("/usr/bin/gpuhook", "daemon", DEFAULT_SOCKET)
+    assert {"Requires=gpuhookd.socket", "After=gpuhookd.socket", "KillMode=process"} <= set(service)
+    assert f"ListenStream={DEFAULT_SOCKET}" in (units / "gpuhookd.socket").read_text().splitlines()
