@@ -22,7 +22,7 @@ import json
 import os
 import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +34,10 @@ from gpuhook.apply.ldconfig import open_ldconfig, run_ldconfig
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.errors import ApplyError
 from gpuhook.planning.plan import BindMount, CudaCompat, Plan, ProcDriverMount
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from gpuhook.apply.ahead import ChildAhead
 
 _NO_PROC_DRIVER = "the container's /proc has no driver/nvidia (the NVIDIA kernel module is not loaded on this host)"
 
@@ -54,15 +58,34 @@ class ContainerRef:
     rootfs_id: tuple[int, int]
 
 
-def apply_plan(plan: Plan, container: ContainerRef, *, ldconfig: Path, timeout: float) -> ApplyReport:
-    """Apply *plan* to *container*; raises ApplyError."""
+@dataclass(frozen=True, slots=True)
+class ChildForkedAhead:
+    """gpuhookd's apply child, forked before the request, and the hook's view it must take first
+    (the hook's mount namespace and root, as fds): the child was forked in the daemon's."""
+
+    child: ChildAhead
+    mount_ns_fd: int
+    root_fd: int
+
+
+def fork_apply_child(*, close: Sequence[int] = ()) -> ChildAhead:
+    """An apply child forked now, to get its plan later (an idle gpuhookd worker does this); it
+    closes *close*, fds of the worker it must not hold."""
+    from gpuhook.apply.ahead import ChildAhead  # gpuhookd only: a hook forks at once
+
+    return ChildAhead(_child_from_payload, close=close)
+
+
+def apply_plan(plan: Plan, container: ContainerRef, *, ldconfig: Path, timeout: float,
+               ahead: ChildForkedAhead | None = None) -> ApplyReport:
+    """Apply *plan* to *container* (in *ahead*'s child if given, else a fresh one); raises ApplyError."""
     pidfd = _open_container(container.pid)
     try:
         undo_cgroup = None
         if plan.cgroup_rules:
             undo_cgroup = cgroups.grant(cgroups.locate_device_cgroup(container.pid), plan.cgroup_rules)
         try:
-            return _run_child(plan, pidfd, container, ldconfig, timeout)
+            return _run_child(plan, pidfd, container, ldconfig, timeout, ahead)
         except BaseException:
             if undo_cgroup is not None:
                 undo_cgroup()
@@ -90,14 +113,21 @@ def _open_container(pid: int) -> int:
     return pidfd
 
 
-def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float) -> ApplyReport:
-    """Fork the child that does the namespace work and collect its report."""
-    read_fd, write_fd = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the forked child; exercised by the runc tests
-        os.close(read_fd)
-        os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, write_fd))
-    os.close(write_fd)
+def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float,
+               ahead: ChildForkedAhead | None) -> ApplyReport:
+    """Fork (or hand the work to) the child that does the namespace work, and collect its report."""
+    if ahead is not None:
+        import pickle  # gpuhookd only (preloaded there)
+
+        payload = pickle.dumps((plan, container, ldconfig, timeout))
+        child, read_fd = ahead.child.start(payload, (pidfd, ahead.mount_ns_fd, ahead.root_fd))
+    else:
+        read_fd, write_fd = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - runs in the forked child; exercised by the runc tests
+            os.close(read_fd)
+            os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, write_fd))
+        os.close(write_fd)
     result = wait_child(child, read_fd, timeout)
     if result.timed_out:
         raise ApplyError("apply", str(container.rootfs), detail=f"timed out after {timeout:g} s")
@@ -112,13 +142,31 @@ def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, 
     return ApplyReport(skipped=tuple(report["skipped"]))
 
 
+def _child_from_payload(payload: bytes, fds: list[int], out_fd: int) -> int:
+    """A child forked ahead, now given its work: (plan, container, ldconfig, timeout) pickled by the
+    worker that forked it (same code, same trust), and fds: pidfd, the hook's mount namespace, root."""
+    import pickle
+
+    plan, container, ldconfig, timeout = pickle.loads(payload)  # noqa: S301 - from our own parent process
+    pidfd, mount_ns_fd, root_fd = fds
+    return _child_main(plan, pidfd, container, ldconfig, timeout, out_fd, view=(mount_ns_fd, root_fd))
+
+
 def _child_main(
-    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, out_fd: int
+    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, out_fd: int,
+    view: tuple[int, int] | None = None,
 ) -> int:
-    """Body of the forked child; returns its exit status after writing the JSON report."""
+    """Body of the forked child; returns its exit status after writing the JSON report.
+
+    *view*: the hook's mount namespace and root to enter first (a child forked ahead by gpuhookd).
+    """
     try:
         linux.prctl(linux.PR_SET_DUMPABLE, 0)  # no ptrace or /proc/<pid>/mem access from the container
         linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # a hook killed by the runtime takes us along
+        if view is not None:
+            linux.enter_mount_view(*view)
+            for fd in view:
+                os.close(fd)
         skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout)
         report: dict[str, object] = {"skipped": skipped}
         status = 0

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gpuhook.apply import ContainerRef, apply_plan
+from gpuhook.apply import ChildForkedAhead, ContainerRef, apply_plan
 from gpuhook.cli.common import complete_inventory, load_settings, make_target, request_for, rootfs_identity
 from gpuhook.cli.hygiene import settle_process
 from gpuhook.discovery.cache import CachedDiscoverer
@@ -25,11 +25,12 @@ from gpuhook.request.model import GpuRequest
 def inject(
     config_arg: str | None, debug: bool, env: Mapping[str, str], state_obj: Mapping[str, Any],
     spec_obj: Mapping[str, Any], *, served_by: str, daemon_note: str | None = None,
+    ahead: ChildForkedAhead | None = None,
 ) -> int:
     """Give the container its GPUs; raises GpuHookError to refuse it.
 
     *served_by* ("hook" or "gpuhookd") goes into every log event; *daemon_note* says why the
-    hook did the work itself (logged once).
+    hook did the work itself (logged once); *ahead*: gpuhookd's apply child, forked in advance.
     """
     started = time.monotonic()
     settle_process()
@@ -49,11 +50,12 @@ def inject(
     log.info("request_parsed", source=request.source, devices=request.raw,
              capabilities=sorted(request.capabilities), requirements=[str(r) for r in request.requirements],
              **({"daemon": daemon_note} if daemon_note else {}))
-    return inject_request(config, request, make_target(spec, config), state.pid, spec.rootfs, started)
+    return inject_request(config, request, make_target(spec, config), state.pid, spec.rootfs, started, ahead=ahead)
 
 
 def inject_request(
-    config: Config, request: GpuRequest, target: Target, pid: int, rootfs: Path, started: float
+    config: Config, request: GpuRequest, target: Target, pid: int, rootfs: Path, started: float, *,
+    ahead: ChildForkedAhead | None = None,
 ) -> int:
     """Everything after the request, shared by the OCI hook and nvidia-container-cli: inventory (cached),
     plan, apply; raises GpuHookError."""
@@ -74,7 +76,7 @@ def inject_request(
         log.warning("plan_warning", message=warning)
     step = time.monotonic()
     container = ContainerRef(pid=pid, rootfs=rootfs, rootfs_id=rootfs_identity(rootfs))
-    report = apply_plan(plan, container, ldconfig=config.ldconfig, timeout=config.timeout_seconds)
+    report = apply_plan(plan, container, ldconfig=config.ldconfig, timeout=config.timeout_seconds, ahead=ahead)
     for what in report.skipped:
         log.warning("apply_skipped", what=what)
     # Peak memory of this process (the hook, or gpuhookd's worker); the apply child is not counted.

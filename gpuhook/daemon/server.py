@@ -33,6 +33,7 @@ import time
 import traceback
 
 from gpuhook import __version__, linux
+from gpuhook.apply import ChildForkedAhead, fork_apply_child
 from gpuhook.daemon import wire
 from gpuhook.errors import ConfigError, GpuHookError
 
@@ -41,13 +42,16 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from typing import NoReturn
 
+    from gpuhook.apply.ahead import ChildAhead
+
 #: Loaded once in the parent besides every gpuhook module: NVML's binding for a cache miss and
 #: PyYAML for a config outside the flat subset. A worker may sit in another mount namespace,
 #: where this package's files need not exist, so a request must import nothing (a test checks).
-PRELOAD = ("pynvml", "yaml", "json", "traceback")
+PRELOAD = ("pynvml", "yaml", "json", "pickle", "traceback")
 READ_TIMEOUT = 5.0
 #: Workers kept forked and waiting in accept(); more absorb a burst of container starts.
 SPARE_WORKERS = 2
+IDLE_NICE = 19
 _FDS = 5  # the client's mnt, cgroup, pid and user namespaces, and its root
 
 
@@ -85,11 +89,16 @@ def serve(listener: socket.socket, *, request_timeout: float, spares: int = SPAR
     before a request arrives, not while a container waits. Each worker serves one connection.
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
+    # Forking and preparing spares happens while other workers serve containers: at the lowest
+    # priority (nice 19, never starved as SCHED_IDLE could be), so it does not slow them down.
+    # A worker takes the daemon's own priority back once it has a connection.
+    normal = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, IDLE_NICE)
     waiting: dict[int, int] = {}  # read end of a worker's pipe -> its pid
     while True:
         while len(waiting) < spares:
             try:
-                read_fd, pid = _fork_worker(listener, request_timeout)
+                read_fd, pid = _fork_worker(listener, request_timeout, normal)
             except OSError as err:  # EAGAIN, ENOMEM: say so, retry soon
                 say(f"fork failed: {err}")
                 time.sleep(0.1)
@@ -103,7 +112,7 @@ def serve(listener: socket.socket, *, request_timeout: float, spares: int = SPAR
             del waiting[read_fd]
 
 
-def _fork_worker(listener: socket.socket, request_timeout: float) -> tuple[int, int]:
+def _fork_worker(listener: socket.socket, request_timeout: float, priority: int) -> tuple[int, int]:
     """Fork one worker that waits for a connection; (read end of its taken-a-connection pipe, pid)."""
     read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
@@ -114,16 +123,24 @@ def _fork_worker(listener: socket.socket, request_timeout: float) -> tuple[int, 
     code = 0
     try:
         gc.disable()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the worker waits for its own children
         # Idle workers go with the daemon; one serving a request finishes it (PDEATHSIG off again).
         linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() == 1:
             os._exit(0)
+        # Before a request waits for them: the copy-on-write faults, and the apply child's fork.
+        linux.populate_writable_memory()
+        apply_child = fork_apply_child(close=(listener.fileno(), write_fd))
         conn = _accept(listener)
+        os.setpriority(os.PRIO_PROCESS, 0, priority)
         linux.prctl(linux.PR_SET_PDEATHSIG, 0)
         os.write(write_fd, b"!")
         os.close(write_fd)
         listener.close()
-        handle(conn, request_timeout=request_timeout)
+        try:
+            handle(conn, apply_child, request_timeout=request_timeout)
+        finally:
+            apply_child.cancel()  # unless the request started it
     except BaseException:  # noqa: BLE001 - a worker never unwinds into the daemon's loop
         say(f"request failed:\n{traceback.format_exc()}")
         code = 1
@@ -140,9 +157,8 @@ def _accept(listener: socket.socket) -> socket.socket:
             time.sleep(0.1)
 
 
-def handle(conn: socket.socket, *, request_timeout: float) -> None:
+def handle(conn: socket.socket, apply_child: ChildAhead, *, request_timeout: float) -> None:
     """Serve one connection (in the worker child)."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the apply step waits for its own children
     signal.alarm(max(1, int(request_timeout)))
     conn.settimeout(READ_TIMEOUT)
     # The whole request is read before any reply, even one refusing it: closing a unix socket with
@@ -167,18 +183,21 @@ def handle(conn: socket.socket, *, request_timeout: float) -> None:
             return
         reason = _enter_client_view(fds) if version == __version__ else (
             f"gpuhookd runs gpuhook {__version__}, the hook {version} (restart gpuhookd after an upgrade)")
+        if reason:
+            conn.sendall(wire.encode_reply(b"declined", 0, reason))
+            return
+        # The apply child was forked in the daemon's view: it takes the hook's mount namespace and root.
+        ahead = ChildForkedAhead(apply_child, mount_ns_fd=fds[0], root_fd=fds[4])
+        status, message = run_request(config, debug, env, state, spec, ahead)
     finally:
         for fd in fds:
             os.close(fd)
-    if reason:
-        conn.sendall(wire.encode_reply(b"declined", 0, reason))
-        return
-    status, message = run_request(config, debug, env, state, spec)
     conn.settimeout(READ_TIMEOUT)
     conn.sendall(wire.encode_reply(b"done", status, message))
 
 
-def run_request(config: str | None, debug: bool, env: dict[str, str], state: bytes, spec: bytes) -> tuple[int, str]:
+def run_request(config: str | None, debug: bool, env: dict[str, str], state: bytes, spec: bytes,
+                ahead: ChildForkedAhead | None = None) -> tuple[int, str]:
     """What the in-process hook would do with these inputs: (exit status, stderr text)."""
     from gpuhook.cli import describe_failure
     from gpuhook.cli.hook import STATE_WHAT
@@ -190,7 +209,7 @@ def run_request(config: str | None, debug: bool, env: dict[str, str], state: byt
         state_obj = strictjson.loads_object(state, what=STATE_WHAT, limit=strictjson.STATE_LIMIT)
         bundle = strictjson.get_str(state_obj, "bundle" if "bundle" in state_obj else "bundlePath", what=STATE_WHAT)
         spec_obj = strictjson.loads_object(spec, what=f"{bundle}/config.json", limit=strictjson.SPEC_LIMIT)
-        inject(config, debug, env, state_obj, spec_obj, served_by="gpuhookd")
+        inject(config, debug, env, state_obj, spec_obj, served_by="gpuhookd", ahead=ahead)
     except GpuHookError as err:
         return 1, describe_failure(err) + "\n"
     except Exception:  # noqa: BLE001 - a bug: the hook shows the traceback, as it would in-process
@@ -255,20 +274,13 @@ def _enter_client_view(fds: Sequence[int]) -> str:
     """Enter the hook's mount and cgroup namespaces and root; or why not ('' when entered)."""
     mnt, cgroup, pid, user, root = fds
     for fd, name in ((pid, "pid"), (user, "user")):
-        if _identity(os.fstat(fd)) != _identity(os.stat(f"/proc/self/ns/{name}")):
+        if not linux.same_namespace(fd, name):
             return (f"the hook runs in another {name} namespace than gpuhookd; "
                     "the OCI state's pid would name another process here")
-    for fd, name, flag in ((mnt, "mnt", linux.CLONE_NEWNS), (cgroup, "cgroup", linux.CLONE_NEWCGROUP)):
-        if _identity(os.fstat(fd)) != _identity(os.stat(f"/proc/self/ns/{name}")):
-            linux.setns(fd, flag)  # the kernel checks that fd is a namespace of this type
-    os.fchdir(root)
-    os.chroot(".")
-    os.chdir("/")
+    if not linux.same_namespace(cgroup, "cgroup"):
+        linux.setns(cgroup, linux.CLONE_NEWCGROUP)  # the kernel checks that fd is a cgroup namespace
+    linux.enter_mount_view(mnt, root)
     return ""
-
-
-def _identity(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
 
 
 def say(message: str) -> None:

@@ -105,17 +105,32 @@ def log_size(host: FakeHost) -> int:
 
 
 def test_spare_workers_wait_for_requests(daemon: Daemon) -> None:
-    """Two forked workers wait in accept(), so no request waits for a fork; one per request."""
-    deadline = time.monotonic() + 5
-    while len(daemon.processes()) != 3:
-        assert time.monotonic() < deadline, daemon.processes()
+    """Two forked workers wait in accept(), each with its apply child forked ahead, so no request
+    waits for a fork; a worker serves one request and is replaced."""
+
+    def family() -> dict[int, list[int]]:
+        """Each worker (a child of the daemon) and its children."""
+        parents = {pid: _ppid(pid) for pid in daemon.processes()}
+        return {pid: [c for c, p in parents.items() if p == pid] for pid, p in parents.items()
+                if p == daemon.proc.pid}
+
+    deadline = time.monotonic() + 10
+    while len(before := family()) != 2 or any(len(kids) != 1 for kids in before.values()):
+        assert time.monotonic() < deadline, before
         time.sleep(0.05)
-    before = set(daemon.processes())
     client.ping(daemon.socket)
-    while len(after := set(daemon.processes())) != 3 or after == before:
+    while len(after := family()) != 2 or after.keys() == before.keys() or any(len(k) != 1 for k in after.values()):
         assert time.monotonic() < deadline, (before, after)
         time.sleep(0.05)
-    assert len(before - after) == 1  # the worker that answered exited; a new one waits
+    assert len(before.keys() - after.keys()) == 1  # the worker that answered exited; a new one waits
+
+
+def _ppid(pid: int) -> int:
+    """The parent of *pid* (0 if it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError):
+        return 0
 
 
 @pytest.mark.parametrize("engine", ["runc", "crun", "runc-cgroup2"])

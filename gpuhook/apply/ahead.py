@@ -1,0 +1,102 @@
+"""A child forked before its work is known, so that the work does not wait for the fork.
+
+Forking a large process copies its page tables, and the child then takes a copy-on-write fault
+on every page it writes: in a VM that is milliseconds per fork and microseconds per page. An
+idle gpuhookd worker forks its apply child ahead (the child pre-faults its memory and waits);
+the request hands it the plan and fds over a socketpair, and from there the child runs exactly
+the code a freshly forked one would. Only gpuhookd uses this: a hook process forks at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+from gpuhook import linux
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+#: the payload (a pickled plan) stays far below this; the limit only bounds a broken parent
+PAYLOAD_LIMIT = 64 << 20
+MAX_FDS = 8
+
+
+class ChildAhead:
+    """A forked child waiting for its work; ``start`` hands it over (once)."""
+
+    def __init__(self, work: Callable[[bytes, list[int], int], int], *, close: Sequence[int] = ()) -> None:
+        """Fork now; the child closes *close* (its parent's fds it must not hold), waits, then runs
+        ``work(payload, fds, report_fd)`` and exits with its status."""
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the forked child; exercised through gpuhookd in tests/e2e
+            parent_end.close()
+            for fd in (read_fd, *close):
+                os.close(fd)
+            status = 1
+            try:
+                status = _wait_for_work(child_end, write_fd, work, parent)
+            finally:
+                os._exit(status)
+        child_end.close()
+        os.close(write_fd)
+        self.pid = pid
+        self._channel: socket.socket | None = parent_end
+        self._report_fd = read_fd
+
+    def start(self, payload: bytes, fds: Sequence[int]) -> tuple[int, int]:
+        """Send *payload* and *fds* to the child; (its pid, the fd its report arrives on)."""
+        channel, self._channel = self._channel, None
+        if channel is None:
+            raise RuntimeError("this child was already started or cancelled")
+        try:
+            sent = channel.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_bytes(fds))])
+            channel.sendall(payload[sent:])
+        finally:
+            channel.close()  # end of payload
+        return self.pid, self._report_fd
+
+    def cancel(self) -> None:
+        """Let the child go without work (it exits on the closed channel) and reap it."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+            os.close(self._report_fd)
+            os.waitpid(self.pid, 0)
+
+
+def _fd_bytes(fds: Sequence[int]) -> bytes:
+    return b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
+
+
+def _wait_for_work(channel: socket.socket, report_fd: int, work: Callable[[bytes, list[int], int], int],
+                   parent: int) -> int:
+    """The child's side: pre-fault, wait for the payload (or EOF: cancelled), run the work."""
+    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the worker that forked us
+    if os.getppid() != parent:
+        return 0
+    linux.populate_writable_memory()
+    chunks: list[bytes] = []
+    fds: list[int] = []
+    size = 0
+    while size <= PAYLOAD_LIMIT:
+        data, ancillary, _, _ = channel.recvmsg(1 << 20, socket.CMSG_SPACE(MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+        for level, kind, raw in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += [int.from_bytes(raw[i : i + 4], sys.byteorder) for i in range(0, len(raw) - len(raw) % 4, 4)]
+        if not data:
+            break
+        chunks.append(data)
+        size += len(data)
+    channel.close()
+    if not chunks:
+        return 0  # cancelled
+    # Forked by an idle worker at low priority; the work runs at the priority its worker has now.
+    os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, parent))
+    return work(b"".join(chunks), fds, report_fd)
