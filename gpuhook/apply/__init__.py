@@ -72,8 +72,9 @@ def fork_apply_child(*, close: Sequence[int] = ()) -> ChildAhead:
     """An apply child forked now, to get its plan later (an idle gpuhookd worker does this); it
     closes *close*, fds of the worker it must not hold."""
     from gpuhook.apply.ahead import ChildAhead  # gpuhookd only: a hook forks at once
+    from gpuhook.apply.ldconfig import fork_ldconfig_ahead
 
-    return ChildAhead(_child_from_payload, close=close)
+    return ChildAhead(_child_from_payload, close=close, prepare=fork_ldconfig_ahead)
 
 
 def apply_plan(plan: Plan, container: ContainerRef, *, ldconfig: Path, timeout: float,
@@ -142,23 +143,25 @@ def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, 
     return ApplyReport(skipped=tuple(report["skipped"]))
 
 
-def _child_from_payload(payload: bytes, fds: list[int], out_fd: int) -> int:
+def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ahead: ChildAhead | None) -> int:
     """A child forked ahead, now given its work: (plan, container, ldconfig, timeout) pickled by the
     worker that forked it (same code, same trust), and fds: pidfd, the hook's mount namespace, root."""
     import pickle
 
     plan, container, ldconfig, timeout = pickle.loads(payload)  # noqa: S301 - from our own parent process
     pidfd, mount_ns_fd, root_fd = fds
-    return _child_main(plan, pidfd, container, ldconfig, timeout, out_fd, view=(mount_ns_fd, root_fd))
+    return _child_main(plan, pidfd, container, ldconfig, timeout, out_fd, view=(mount_ns_fd, root_fd),
+                       ldconfig_ahead=ldconfig_ahead)
 
 
 def _child_main(
     plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, out_fd: int,
-    view: tuple[int, int] | None = None,
+    view: tuple[int, int] | None = None, ldconfig_ahead: ChildAhead | None = None,
 ) -> int:
     """Body of the forked child; returns its exit status after writing the JSON report.
 
-    *view*: the hook's mount namespace and root to enter first (a child forked ahead by gpuhookd).
+    *view*: the hook's mount namespace and root to enter first, and *ldconfig_ahead* the ldconfig
+    child it forked ahead (a child forked ahead by gpuhookd).
     """
     try:
         linux.prctl(linux.PR_SET_DUMPABLE, 0)  # no ptrace or /proc/<pid>/mem access from the container
@@ -167,7 +170,7 @@ def _child_main(
             linux.enter_mount_view(*view)
             for fd in view:
                 os.close(fd)
-        skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout)
+        skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, ldconfig_ahead)
         report: dict[str, object] = {"skipped": skipped}
         status = 0
     except ApplyError as err:
@@ -178,11 +181,13 @@ def _child_main(
         report = {"error": {"step": "apply", "path": str(container.rootfs), "detail": detail}}
         status = 2
     os.write(out_fd, json.dumps(report).encode())
+    if ldconfig_ahead is not None:
+        ldconfig_ahead.cancel()  # not needed after all (a no-op once started)
     return status
 
 
 def _apply_in_container(
-    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float
+    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, ldconfig_ahead: ChildAhead | None
 ) -> list[str]:
     """Open host sources, enter the container, make every change; undo all on failure."""
     os.umask(0)
@@ -218,7 +223,7 @@ def _apply_in_container(
                 skipped.append(note)
         if dirs and ldconfig_fd is not None:
             # Half the budget: a hung ldconfig must fail inside this child, so rollback still runs.
-            run_ldconfig(ldconfig_fd, fs.root_fd, dirs, timeout=timeout / 2)
+            run_ldconfig(ldconfig_fd, fs.root_fd, dirs, timeout=timeout / 2, ahead=ldconfig_ahead, pidfd=pidfd)
     except BaseException as err:
         leftovers = fs.rollback()
         if leftovers and isinstance(err, ApplyError):

@@ -20,6 +20,11 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    #: (payload, fds, report fd, the child this one prepared) -> exit status
+    Work = Callable[[bytes, list[int], int, "ChildAhead | None"], int]
+    #: (fds the prepared child must close) -> a child forked ahead by this one
+    Prepare = Callable[[Sequence[int]], "ChildAhead"]
+
 #: the payload (a pickled plan) stays far below this; the limit only bounds a broken parent
 PAYLOAD_LIMIT = 64 << 20
 MAX_FDS = 8
@@ -28,9 +33,11 @@ MAX_FDS = 8
 class ChildAhead:
     """A forked child waiting for its work; ``start`` hands it over (once)."""
 
-    def __init__(self, work: Callable[[bytes, list[int], int], int], *, close: Sequence[int] = ()) -> None:
-        """Fork now; the child closes *close* (its parent's fds it must not hold), waits, then runs
-        ``work(payload, fds, report_fd)`` and exits with its status."""
+    def __init__(self, work: Work, *, close: Sequence[int] = (), populate: bool = True,
+                 prepare: Prepare | None = None) -> None:
+        """Fork now. The child closes *close* (its parent's fds it must not hold), pre-faults its
+        memory if *populate*, runs ``prepare(its own fds to keep out)`` (to fork its own child ahead),
+        waits, then runs ``work(payload, fds, report_fd, prepared)`` and exits with its status."""
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         parent = os.getpid()
@@ -41,7 +48,7 @@ class ChildAhead:
                 os.close(fd)
             status = 1
             try:
-                status = _wait_for_work(child_end, write_fd, work, parent)
+                status = _wait_for_work(child_end, write_fd, work, parent, populate, prepare)
             finally:
                 os._exit(status)
         child_end.close()
@@ -75,13 +82,15 @@ def _fd_bytes(fds: Sequence[int]) -> bytes:
     return b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
 
 
-def _wait_for_work(channel: socket.socket, report_fd: int, work: Callable[[bytes, list[int], int], int],
-                   parent: int) -> int:
-    """The child's side: pre-fault, wait for the payload (or EOF: cancelled), run the work."""
-    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the worker that forked us
+def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: int, populate: bool,
+                   prepare: Prepare | None) -> int:
+    """The child's side: pre-fault, prepare, wait for the payload (or EOF: cancelled), run the work."""
+    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the process that forked us
     if os.getppid() != parent:
         return 0
-    linux.populate_writable_memory()
+    if populate:
+        linux.populate_writable_memory()
+    prepared = prepare((channel.fileno(), report_fd)) if prepare is not None else None
     chunks: list[bytes] = []
     fds: list[int] = []
     size = 0
@@ -95,8 +104,10 @@ def _wait_for_work(channel: socket.socket, report_fd: int, work: Callable[[bytes
         chunks.append(data)
         size += len(data)
     channel.close()
-    if not chunks:
-        return 0  # cancelled
+    if not chunks:  # cancelled
+        if prepared is not None:
+            prepared.cancel()
+        return 0
     # Forked by an idle worker at low priority; the work runs at the priority its worker has now.
     os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, parent))
-    return work(b"".join(chunks), fds, report_fd)
+    return work(b"".join(chunks), fds, report_fd, prepared)

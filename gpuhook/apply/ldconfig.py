@@ -30,11 +30,15 @@ import signal
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, NoReturn
 
 from gpuhook import linux
 from gpuhook.apply.children import wait_child
 from gpuhook.errors import ApplyError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from gpuhook.apply.ahead import ChildAhead
 
 _PT_INTERP: Final = 3
 _MAX_BINARY: Final = 64 << 20
@@ -133,27 +137,60 @@ def _has_interpreter(fd: int, shown: str) -> bool:
     )
 
 
-def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, timeout: float) -> None:
-    """Run ldconfig chrooted at *root_fd*; raises ApplyError with its output on failure."""
+def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, timeout: float,
+                 ahead: ChildAhead | None = None, pidfd: int | None = None) -> None:
+    """Run ldconfig chrooted at *root_fd*; raises ApplyError with its output on failure.
+
+    *ahead*: a child forked in advance by ``fork_ldconfig_ahead`` (gpuhookd), which first joins
+    the mount namespace of the container *pidfd* names; otherwise a child is forked now, in ours.
+    """
     argv = ["ldconfig", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *dirs]
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the forked child
-        try:
-            os.dup2(write_fd, 1)
-            os.dup2(write_fd, 2)
-            _sandbox(root_fd)
-            os.execve(ldconfig_fd, argv, _ENV)
-        except BaseException as err:  # noqa: BLE001 - report why the sandbox or exec failed, then die
-            os.write(2, f"cannot start ldconfig: {err}".encode())
-        finally:
-            os._exit(127)
-    os.close(write_fd)
+    if ahead is not None and pidfd is not None:
+        pid, read_fd = ahead.start("\0".join(argv).encode(), (pidfd, root_fd, ldconfig_fd))
+    else:
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the forked child
+            _exec_sandboxed(ldconfig_fd, root_fd, argv, write_fd)
+        os.close(write_fd)
     result = wait_child(pid, read_fd, timeout)
     output, status = result.output.decode("utf-8", "replace"), result.status
     if status != 0:
         why = f"exited with status {status}" if status >= 0 else f"killed by signal {-status}"
         raise ApplyError("ldconfig", " ".join(dirs), detail=f"{why}: {output.strip()[-500:]}")
+
+
+def fork_ldconfig_ahead(close: Sequence[int]) -> ChildAhead:
+    """The ldconfig child, forked before it is needed (by gpuhookd's apply child while idle)."""
+    from gpuhook.apply.ahead import ChildAhead
+
+    # It execs ldconfig moments after its work arrives: pre-faulting its memory would be wasted.
+    return ChildAhead(_ldconfig_from_payload, close=close, populate=False)
+
+
+def _ldconfig_from_payload(payload: bytes, fds: list[int], out_fd: int, _: ChildAhead | None) -> int:
+    """Join the container's mount namespace (fds: its pidfd, the rootfs, the sealed ldconfig), then
+    run the sandboxed ldconfig exactly as a child forked inside it would."""
+    pidfd, root_fd, ldconfig_fd = fds
+    try:
+        linux.setns(pidfd, linux.CLONE_NEWNS)
+    except OSError as err:
+        os.write(out_fd, f"cannot start ldconfig: {err}".encode())
+        return 127
+    _exec_sandboxed(ldconfig_fd, root_fd, payload.decode().split("\0"), out_fd)
+
+
+def _exec_sandboxed(ldconfig_fd: int, root_fd: int, argv: list[str], out_fd: int) -> NoReturn:
+    """In the child: output to *out_fd*, the sandbox, then exec ldconfig (or report why not and exit 127)."""
+    try:
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        _sandbox(root_fd)
+        os.execve(ldconfig_fd, argv, _ENV)
+    except BaseException as err:  # noqa: BLE001 - report why the sandbox or exec failed, then die
+        os.write(2, f"cannot start ldconfig: {err}".encode())
+    finally:
+        os._exit(127)
 
 
 def _sandbox(root_fd: int) -> None:
