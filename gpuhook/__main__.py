@@ -1,5 +1,5 @@
 """`python -m gpuhook`: the same entry point as the `gpuhook` console script."""
 
-from gpuhook.cli import main
+from gpuhook.cli import exit_now, main
 
-raise SystemExit(main())
+exit_now(main())

@@ -38,11 +38,11 @@ PREFIX = "/usr/lib/gpuhook"
 
 #: console scripts (pyproject.toml) -> entry point; each gets a launcher in PREFIX/bin.
 CONSOLE_SCRIPTS = {
-    "gpuhook": "gpuhook.cli:main",
-    "nvidia-container-runtime-hook": "gpuhook.cli.nvidia:main",
-    "nvidia-container-toolkit": "gpuhook.cli.nvidia:main",
-    "gpuhook-runtime": "gpuhook.cli.runtime:main",
-    "nvidia-container-cli": "gpuhook.cli.nvcli:main",
+    "gpuhook": "gpuhook.cli.entry:gpuhook",
+    "nvidia-container-runtime-hook": "gpuhook.cli.entry:nvidia_hook",
+    "nvidia-container-toolkit": "gpuhook.cli.entry:nvidia_hook",
+    "gpuhook-runtime": "gpuhook.cli.entry:runtime",
+    "nvidia-container-cli": "gpuhook.cli.entry:nvidia_cli",
 }
 #: the commands in /usr/bin (symlinks into PREFIX/bin), and the ones that get a man page.
 USR_BIN = ("gpuhook", "nvidia-container-runtime-hook", "nvidia-container-toolkit", "nvidia-container-cli",
@@ -80,7 +80,7 @@ def launcher(entry: str) -> str:
     module, func = entry.split(":")
     return (f"#!{PREFIX}/bin/python -I\n"
             f"from {module} import {func}\n\n"
-            f"raise SystemExit({func}())\n")
+            f"{func}()\n")
 
 
 def build_venv(stage: Path) -> Path:

@@ -17,7 +17,7 @@ TYPE_CHECKING = False  # importing typing costs ~3 ms of every container start
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
-    from typing import Any
+    from typing import Any, NoReturn
 
 HOOK_STAGES = ("prestart", "createRuntime")
 NOOP_STAGES = ("poststart", "poststop")
@@ -95,6 +95,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `gpuhook plan | head`: the reader left; exit quietly instead of a traceback at shutdown.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def exit_now(status: int) -> NoReturn:
+    """Flush stdout and stderr and exit with *status*, skipping the interpreter's finalization.
+
+    Tearing down every module and collecting garbage at exit costs about 3 ms of each hook
+    run (measured: ``python -I -c pass`` against ``os._exit(0)``), and nothing here needs it:
+    the log is flushed per event, and files are closed (or renamed into place) when written.
+    Launchers and console scripts call this; ``main`` itself returns, for tests and callers.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that left, a closed stream: nothing more to say
+            pass
+    os._exit(status)
 
 
 def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
