@@ -41,7 +41,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 import venv
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from typing import Any
 
 from integration.engines import default_spec, require_tool, run_container, unique_id, write_bundle
 from integration.fakehost import FakeHost, create_host
+from integration.gpuhookd import Gpuhookd
 from integration.rootfs import build_rootfs, copy_rootfs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,24 +169,6 @@ def make_spec(scenario: Scenario, python: Path, wrapper: tuple[str, ...] = ()) -
         spec["linux"]["resources"]["devices"] += scenario.static["rules"]
         spec["mounts"] += scenario.static["mounts"]
     return spec
-
-
-def start_daemon(python: Path, work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """gpuhookd from the hook's install, as systemd's gpuhookd.socket would run it; (process, socket)."""
-    socket_dir = work / "gpuhookd"
-    socket_dir.mkdir(mode=0o700)
-    path = str(socket_dir / "gpuhookd.sock")
-    proc = subprocess.Popen([str(python), "-I", "-m", "gpuhook", "daemon", "--socket", path], cwd="/",
-                            stdin=subprocess.DEVNULL, stderr=(work / "gpuhookd.log").open("wb"),
-                            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
-    deadline = time.monotonic() + 30
-    while subprocess.run([str(python), "-I", "-c", "import sys; from gpuhook.daemon import client; "
-                          "client.ping(sys.argv[1])", path], capture_output=True, check=False).returncode:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise BenchError(f"gpuhookd did not start: {(work / 'gpuhookd.log').read_text()}")
-        time.sleep(0.1)
-    return proc, path
 
 
 def make_scenarios(python: Path, rootfs_src: Path, work: Path, daemon_socket: str) -> list[Scenario]:
@@ -425,14 +407,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("setting up: rootfs, hook install, simulated hosts with 1, 8 and 64 GPUs", file=sys.stderr)
     rootfs_src = build_rootfs(REPO / ".cache" / "rootfs")
     python = install_hook(WORK / "venv")
-    daemon, daemon_socket = start_daemon(python, WORK)
+    daemon = Gpuhookd(python, WORK / "gpuhookd")  # as systemd's gpuhookd.socket would start it
     try:
-        scenarios = make_scenarios(python, rootfs_src, WORK, daemon_socket)
+        scenarios = make_scenarios(python, rootfs_src, WORK, daemon.socket)
         print(f"running {len(scenarios)} scenarios × {args.runs} runs, interleaved", file=sys.stderr)
         samples = measure(scenarios, python, rootfs_src, WORK, args.runs)
     finally:
-        daemon.terminate()
-        daemon.wait()
+        journal = daemon.stop()
+    if "request failed" in journal:
+        raise BenchError(f"a gpuhookd request failed: {journal}")
     results = summarise(scenarios, samples)
     imports = import_profile(python, WORK / "configs" / "host8.yaml", WORK)
     report = {

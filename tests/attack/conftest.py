@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 
 from integration.engines import require_tool
 from integration.fakehost import FakeHost
+from integration.gpuhookd import Gpuhookd
 from integration.rootfs import build_rootfs
 
 from .rig import HERE, Rig, plain_spec_rules
@@ -39,9 +42,43 @@ def default_rules(tmp_path_factory: pytest.TempPathFactory, rootfs_src: Path) ->
     return plain_spec_rules(tmp_path_factory.mktemp("baseline"), rootfs_src)
 
 
-@pytest.fixture
-def rig(tmp_path: Path, host: FakeHost, rootfs_src: Path, default_rules: frozenset[str]) -> Iterator[Rig]:
+#: Every attack runs twice: against the hook doing the work itself, and against gpuhookd doing it
+#: for the hook (another process, forked ahead, entering the hook's view). An older revision under
+#: test (GPUHOOK_ATTACK_SOURCE) predates gpuhookd.
+MODES = ["hook"] if os.environ.get("GPUHOOK_ATTACK_SOURCE") else ["hook", "gpuhookd"]
+
+
+@pytest.fixture(scope="session")
+def gpuhookd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gpuhookd]:
+    """One daemon for the suite's gpuhookd pass; no request may crash a worker."""
+    daemon = Gpuhookd(sys.executable, tmp_path_factory.mktemp("gpuhookd") / "run")
+    yield daemon
+    journal = daemon.stop()
+    assert "request failed" not in journal, journal
+
+
+@pytest.fixture(params=MODES)
+def rig(request: pytest.FixtureRequest, tmp_path: Path, host: FakeHost, rootfs_src: Path,
+        default_rules: frozenset[str]) -> Iterator[Rig]:
     """A per-test attack rig on the simulated 4-GPU host; stray processes left in its tree are killed after."""
+    socket = request.getfixturevalue("gpuhookd").socket if request.param == "gpuhookd" else "none"
+    rig = Rig(tmp_path, host, rootfs_src, default_rules, daemon_socket=socket)
+    log = host.root / "gpuhook.log"
+    offset = log.stat().st_size if log.exists() else 0
+    yield rig
+    rig.kill_leftovers()
+    # Whatever the hooks logged came from the pass's own mode: gpuhookd never declined and left the
+    # work to the hook, and the hook pass never reached a daemon.
+    with log.open("rb") as handle:
+        handle.seek(offset)
+        served = {json.loads(line).get("served_by") for line in handle.read().splitlines()} - {None}
+    assert served <= {request.param}, served
+
+
+@pytest.fixture
+def hook_rig(tmp_path: Path, host: FakeHost, rootfs_src: Path, default_rules: frozenset[str]) -> Iterator[Rig]:
+    """A rig whose hooks always work in-process: for attacks on the hook process itself (a seccomp
+    filter or a forged parent around it), which a daemon doing the work would not be under."""
     rig = Rig(tmp_path, host, rootfs_src, default_rules)
     yield rig
     rig.kill_leftovers()

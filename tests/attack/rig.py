@@ -201,25 +201,27 @@ class Container:
     spec: dict[str, Any]
 
 
-def hook_command(config: Path, stage: str = "prestart") -> list[str]:
-    """The argv that runs gpuhook: ``python -I -m gpuhook --config CONFIG STAGE``.
+def hook_command(config: Path, stage: str = "prestart", *, daemon_socket: str = "none") -> list[str]:
+    """The argv that runs gpuhook: ``python -I -m gpuhook --config CONFIG --daemon-socket SOCKET STAGE``
+    (``none``: the hook does the work itself; else gpuhookd at that socket does).
 
     ``GPUHOOK_ATTACK_SOURCE=<dir>`` runs the gpuhook package found in *dir* instead (for example an
-    older revision from ``git archive``), to show which attacks a given revision loses; add
-    ``GPUHOOK_ATTACK_DROP_KEYS=key,...`` for config settings that revision does not know.
+    older revision from ``git archive``, in-process only), to show which attacks a given revision
+    loses; add ``GPUHOOK_ATTACK_DROP_KEYS=key,...`` for config settings that revision does not know.
     """
     source = os.environ.get("GPUHOOK_ATTACK_SOURCE")
     if not source:
-        return [PYTHON, "-I", "-m", "gpuhook", "--config", os.fspath(config), stage]
+        return [PYTHON, "-I", "-m", "gpuhook", "--config", os.fspath(config), "--daemon-socket", daemon_socket, stage]
     boot = ("import sys, runpy; "
             "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')]; "
             f"sys.path.insert(0, {source!r}); runpy.run_module('gpuhook', run_name='__main__')")
     return [PYTHON, "-I", "-c", boot, "--config", os.fspath(config), stage]
 
 
-def hook_entry(config: Path, *, env: Iterable[str] = HOOK_ENV, wrapper: Iterable[str] = ()) -> dict[str, Any]:
+def hook_entry(config: Path, *, env: Iterable[str] = HOOK_ENV, wrapper: Iterable[str] = (),
+               daemon_socket: str = "none") -> dict[str, Any]:
     """gpuhook registered as it should be (absolute interpreter, -I, explicit env), optionally behind *wrapper*."""
-    hook = hook_command(config)
+    hook = hook_command(config, daemon_socket=daemon_socket)
     argv = [PYTHON, "-I", *wrapper, "--", *hook] if wrapper else hook
     return {"path": PYTHON, "args": argv, "env": list(env)}
 
@@ -238,8 +240,11 @@ def _wrap(script: str) -> list[str]:
 class Rig:
     """Builds hostile bundles in one test's tmp tree and runs them under the oracles."""
 
-    def __init__(self, tmp: Path, host: FakeHost, rootfs_src: Path, default_rules: frozenset[str]) -> None:
+    def __init__(self, tmp: Path, host: FakeHost, rootfs_src: Path, default_rules: frozenset[str], *,
+                 daemon_socket: str = "none") -> None:
         self.tmp = tmp
+        #: where this rig's hooks hand their work to gpuhookd ("none": they do it in-process)
+        self.daemon_socket = daemon_socket
         self.host = host
         self.rootfs_src = rootfs_src
         self.default_rules = default_rules
@@ -311,7 +316,7 @@ class Rig:
             hooks={"prestart": [
                 *([{"path": "/bin/sh", "args": ["sh", "-ec", pre_hook], "env": [*HOOK_ENV, f"R={rootfs}"]}]
                   if pre_hook else []),
-                hook or hook_entry(config or self.base_config),
+                hook or hook_entry(config or self.base_config, daemon_socket=self.daemon_socket),
             ]},
             capabilities=caps, readonly=readonly,
         )

@@ -121,8 +121,11 @@ def test_dev_node_swapped_with_symlink_to_host_file(rig: Rig) -> None:
     assert rig.secret.read_text() == "host secret\n" and (rig.secret.stat().st_mode & 0o777) == 0o600
 
 
-def test_dev_node_swapped_exactly_between_check_and_chmod(rig: Rig) -> None:
-    """B18, pinpointed: ``/dev/nvidia0`` becomes a symlink to a host file right as gpuhook chmods it: no host chmod."""
+def test_dev_node_swapped_exactly_between_check_and_chmod(hook_rig: Rig) -> None:
+    """B18, pinpointed: ``/dev/nvidia0`` becomes a symlink to a host file right as gpuhook chmods it: no host chmod.
+
+    In-process only: the seccomp notifier watches the hook process, where gpuhookd's worker is not."""
+    rig = hook_rig
     # pinpoint.py stops gpuhook at its fchmodat(…"nvidia0"…) (seccomp user notification), swaps the
     # 0600 node it has just checked with a symlink to the host file, and lets the call go on: the
     # timing a racer needs luck for, every run.

@@ -41,8 +41,11 @@ def run_rolled_back(rig: Rig, **container_args: Any) -> Outcome:
         pytest.param(SYS_MKNODAT, "mknod", "/dev/nvidia", id="mknodat-fails"),
     ],
 )
-def test_failing_syscall_is_rolled_back(rig: Rig, nr: int, step: str, path: str) -> None:
-    """A mount or mknod refused by the kernel (seccomp EPERM): refused naming the step, every earlier change undone."""
+def test_failing_syscall_is_rolled_back(hook_rig: Rig, nr: int, step: str, path: str) -> None:
+    """A mount or mknod refused by the kernel (seccomp EPERM): refused naming the step, every earlier change undone.
+
+    In-process only: the seccomp filter is on the hook process, where gpuhookd's worker is not."""
+    rig = hook_rig
     hook = hook_entry(rig.base_config, wrapper=[str(HERE / "seccomp_wrap.py"), str(nr)])
     outcome = run_rolled_back(rig, hook=hook)
     assert outcome.hook_error.startswith(f"gpuhook: {step} {path}"), outcome.hook_error

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,62 +19,15 @@ from gpuhook.daemon import client, wire
 from gpuhook.errors import ApplyError
 from integration.engines import tree_snapshot
 from integration.fakehost import FakeHost
+from integration.gpuhookd import Gpuhookd
 
 from .conftest import MakeContainer, hook_entry
 from .test_hook import PROBE, TWO_GPUS, lines
 
-START_TIMEOUT = 20.0
-
-
-class Daemon:
-    """A ``gpuhook daemon`` process on a private socket."""
-
-    def __init__(self, socket_dir: Path) -> None:
-        socket_dir.mkdir(mode=0o700, exist_ok=True)
-        self.socket = str(socket_dir / "gpuhookd.sock")
-        self.stderr = socket_dir.parent / "gpuhookd.stderr"
-        with self.stderr.open("wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-I", "-m", "gpuhook", "daemon", "--socket", self.socket],
-                                         stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd="/",
-                                         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            try:
-                assert client.ping(self.socket) == __version__
-                return
-            except client.NotServed:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    pytest.fail(f"gpuhookd did not start: {self.stderr.read_text()}")
-                time.sleep(0.05)
-
-    def stop(self) -> str:
-        """Stop it (its idle workers go with it); its stderr (the journal, in production)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=10)
-        deadline = time.monotonic() + 5
-        while self.processes():
-            assert time.monotonic() < deadline, f"gpuhookd workers outlived the daemon: {self.processes()}"
-            time.sleep(0.05)
-        return self.stderr.read_text()
-
-    def processes(self) -> list[int]:
-        """Pids running this daemon's command line: the daemon and its forked workers."""
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and self.socket.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue  # exited meanwhile
-        return found
-
-
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
+def daemon(tmp_path: Path) -> Iterator[Gpuhookd]:
     """A running daemon; its journal must show no failed request."""
-    running = Daemon(tmp_path / "gpuhookd")
+    running = Gpuhookd(sys.executable, tmp_path / "gpuhookd")
     try:
         yield running
     finally:
@@ -104,7 +56,7 @@ def log_size(host: FakeHost) -> int:
     return log.stat().st_size if log.exists() else 0
 
 
-def test_spare_workers_wait_for_requests(daemon: Daemon) -> None:
+def test_spare_workers_wait_for_requests(daemon: Gpuhookd) -> None:
     """Two forked workers wait in accept(), each with its apply child forked ahead, so no request
     waits for a fork; a worker serves one request and is replaced."""
 
@@ -134,7 +86,7 @@ def _ppid(pid: int) -> int:
 
 
 @pytest.mark.parametrize("engine", ["runc", "crun", "runc-cgroup2"])
-def test_daemon_gives_the_same_gpus(make_container: MakeContainer, host: FakeHost, daemon: Daemon,
+def test_daemon_gives_the_same_gpus(make_container: MakeContainer, host: FakeHost, daemon: Gpuhookd,
                                     engine: str) -> None:
     """The worker does what the in-process hook does, in the hook's namespaces: crun and runc-cgroup2
     run in private mount namespaces (runc-cgroup2's cgroup2 mount exists only there), so the worker
@@ -156,7 +108,7 @@ def test_daemon_gives_the_same_gpus(make_container: MakeContainer, host: FakeHos
 
 
 def test_refusal_comes_back_and_leaves_nothing(make_container: MakeContainer, host: FakeHost,
-                                               daemon: Daemon) -> None:
+                                               daemon: Gpuhookd) -> None:
     """A refused request: the runtime shows gpuhook's message; the rootfs is unchanged."""
     hook = hook_entry(host.config_path, "--daemon-socket", daemon.socket, "prestart")
     container = make_container("true", {"NVIDIA_VISIBLE_DEVICES": "9"}, hook=hook)
@@ -185,7 +137,7 @@ def test_without_a_daemon_the_hook_does_the_work(make_container: MakeContainer, 
     assert parsed["daemon"] == f"no gpuhookd at {absent} (No such file or directory)"
 
 
-def test_other_pid_namespace_is_declined(daemon: Daemon) -> None:
+def test_other_pid_namespace_is_declined(daemon: Gpuhookd) -> None:
     """A hook in another pid namespace names the container by a pid the daemon cannot use: declined,
     so that hook works in-process."""
     code = ("import sys\nfrom gpuhook.daemon import client\n"
@@ -197,7 +149,7 @@ def test_other_pid_namespace_is_declined(daemon: Daemon) -> None:
                                   "the OCI state's pid would name another process here")
 
 
-def test_hook_of_another_version_is_declined(daemon: Daemon) -> None:
+def test_hook_of_another_version_is_declined(daemon: Gpuhookd) -> None:
     """After an upgrade the old daemon must not serve the new hook."""
     parts = wire.hook_parts("0.0.1", None, False, {}, b"{}", b"{}")
     verdict, _, message = client.exchange(daemon.socket, wire.encode_request(b"hook", parts))
@@ -205,7 +157,7 @@ def test_hook_of_another_version_is_declined(daemon: Daemon) -> None:
                                                "(restart gpuhookd after an upgrade)")
 
 
-def test_only_root_reaches_the_daemon(daemon: Daemon) -> None:
+def test_only_root_reaches_the_daemon(daemon: Gpuhookd) -> None:
     """The socket is 0600; opened up by mistake, the daemon still declines a non-root peer."""
     code = ("import sys\nfrom gpuhook.daemon import client, wire\n"
             "print(client.exchange(sys.argv[1], wire.encode_request(b'ping', [b'x']))[2])\n")
@@ -284,12 +236,12 @@ def test_daemon_refuses_unsafe_setups(tmp_path: Path, prepare: Any, user: list[s
     assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_a_second_daemon_refuses_a_live_socket(daemon: Daemon) -> None:
+def test_a_second_daemon_refuses_a_live_socket(daemon: Gpuhookd) -> None:
     """Two daemons never share a socket; a stale socket file (nobody listening) is replaced."""
     second = subprocess.run([sys.executable, "-I", "-m", "gpuhook", "daemon", "--socket", daemon.socket],
                             capture_output=True, text=True, timeout=30, check=False, cwd="/")
     assert second.returncode == 1
     assert second.stderr.strip() == f"gpuhook: another gpuhookd already serves {daemon.socket}"
     daemon.stop()
-    assert Path(daemon.socket).exists()  # left behind by the stopped daemon
-    Daemon(Path(daemon.socket).parent).stop()
+    assert Path(daemon.socket).exists()  # left behind by the stopped daemon (systemd's socket unit removes it)
+    Gpuhookd(sys.executable, Path(daemon.socket).parent).stop()

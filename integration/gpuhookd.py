@@ -1,0 +1,65 @@
+"""A ``gpuhook daemon`` for tests and the benchmark: started on a private socket, stopped with its workers."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+class DaemonError(RuntimeError):
+    """gpuhookd did not start or stop as it should."""
+
+
+class Gpuhookd:
+    """``python -I -m gpuhook daemon --socket <dir>/gpuhookd.sock`` with its stderr (its journal) in a file."""
+
+    def __init__(self, python: Path | str, socket_dir: Path) -> None:
+        socket_dir.mkdir(mode=0o700, exist_ok=True)
+        self.python = str(python)
+        self.socket = str(socket_dir / "gpuhookd.sock")
+        self.journal = socket_dir.parent / f"{socket_dir.name}.journal"
+        with self.journal.open("wb") as out:
+            self.proc = subprocess.Popen([self.python, "-I", "-m", "gpuhook", "daemon", "--socket", self.socket],
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/",
+                                         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise DaemonError(f"gpuhookd did not start: {self.journal.read_text()}")
+            time.sleep(0.05)
+
+    def answers(self) -> bool:
+        """Whether it answers a ping (asked from a fresh interpreter, as a hook would)."""
+        ping = ("import sys\nfrom gpuhook.daemon import client\ntry:\n    client.ping(sys.argv[1])\n"
+                "except client.NotServed:\n    sys.exit(1)\n")
+        return subprocess.run([self.python, "-I", "-c", ping, self.socket], capture_output=True,
+                              check=False).returncode == 0
+
+    def processes(self) -> list[int]:
+        """Pids running this daemon's command line: the daemon and its forked workers and children."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and self.socket.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue  # exited meanwhile
+        return found
+
+    def stop(self) -> str:
+        """SIGTERM it and wait until its idle workers are gone too; its journal."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while left := self.processes():
+            if time.monotonic() > deadline:
+                raise DaemonError(f"gpuhookd's workers outlived it: {left}")
+            time.sleep(0.05)
+        return self.journal.read_text()
