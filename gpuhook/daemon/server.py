@@ -129,8 +129,11 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int)
         if os.getppid() == 1:
             os._exit(0)
         # Before a request waits for them: the copy-on-write faults, and the apply child's fork.
-        linux.populate_writable_memory()
-        apply_child = fork_apply_child(close=(listener.fileno(), write_fd))
+        # Not when a connection already waits (a burst of container starts): serve it now.
+        apply_child = None
+        if not select.select([listener], [], [], 0)[0]:
+            linux.populate_writable_memory()
+            apply_child = fork_apply_child(close=(listener.fileno(), write_fd))
         conn = _accept(listener)
         os.setpriority(os.PRIO_PROCESS, 0, priority)
         linux.prctl(linux.PR_SET_PDEATHSIG, 0)
@@ -140,7 +143,8 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int)
         try:
             handle(conn, apply_child, request_timeout=request_timeout)
         finally:
-            apply_child.cancel()  # unless the request started it
+            if apply_child is not None:
+                apply_child.cancel()  # unless the request started it
     except BaseException:  # noqa: BLE001 - a worker never unwinds into the daemon's loop
         say(f"request failed:\n{traceback.format_exc()}")
         code = 1
@@ -157,7 +161,7 @@ def _accept(listener: socket.socket) -> socket.socket:
             time.sleep(0.1)
 
 
-def handle(conn: socket.socket, apply_child: ChildAhead, *, request_timeout: float) -> None:
+def handle(conn: socket.socket, apply_child: ChildAhead | None, *, request_timeout: float) -> None:
     """Serve one connection (in the worker child)."""
     signal.alarm(max(1, int(request_timeout)))
     conn.settimeout(READ_TIMEOUT)
@@ -187,7 +191,7 @@ def handle(conn: socket.socket, apply_child: ChildAhead, *, request_timeout: flo
             conn.sendall(wire.encode_reply(b"declined", 0, reason))
             return
         # The apply child was forked in the daemon's view: it takes the hook's mount namespace and root.
-        ahead = ChildForkedAhead(apply_child, mount_ns_fd=fds[0], root_fd=fds[4])
+        ahead = ChildForkedAhead(apply_child, mount_ns_fd=fds[0], root_fd=fds[4]) if apply_child else None
         status, message = run_request(config, debug, env, state, spec, ahead)
     finally:
         for fd in fds:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import socket
@@ -245,3 +246,18 @@ def test_a_second_daemon_refuses_a_live_socket(daemon: Gpuhookd) -> None:
     daemon.stop()
     assert Path(daemon.socket).exists()  # left behind by the stopped daemon (systemd's socket unit removes it)
     Gpuhookd(sys.executable, Path(daemon.socket).parent).stop()
+
+
+def test_a_burst_of_starts_is_served(make_container: MakeContainer, host: FakeHost, daemon: Gpuhookd) -> None:
+    """More containers at once than spare workers: the rest wait for workers that skip their
+    preparation, and every container gets its GPU from gpuhookd."""
+    hook = hook_entry(host.config_path, "--daemon-socket", daemon.socket, "prestart")
+    containers = [make_container("devopen /dev/nvidia2", {"NVIDIA_VISIBLE_DEVICES": "2"}, hook=hook) for _ in range(6)]
+    offset = log_size(host)
+    with concurrent.futures.ThreadPoolExecutor(len(containers)) as pool:
+        results = list(pool.map(lambda c: c.run(), containers))
+    for result in results:
+        assert result.returncode == 0, result.stderr
+        assert "/dev/nvidia2 ENXIO" in result.stdout
+    applied = [e for e in events_after(host.root / "gpuhook.log", offset) if e["event"] == "applied"]
+    assert [e["served_by"] for e in applied] == ["gpuhookd"] * len(containers)
