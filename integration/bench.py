@@ -14,15 +14,20 @@ it in production: the dev venv's editable-install finder imports pathlib, urllib
 at every interpreter start, ~10 ms that no user pays. Its dependencies come from the running
 environment through a plain directory line in a ``.pth`` file, which costs nothing at start-up.
 
-Besides issue #4's scenarios there are two references: the interpreter floor (a hook that is
-``python -I -c pass``: what any Python hook costs before its first import) and the 8-GPU start
+GPU scenarios run as a package installs gpuhook: a gpuhookd (started once, as systemd's
+gpuhookd.socket would) does the GPU work for the hook; its spares prepare between runs, at the
+lowest priority, as they would between container starts.
+
+Besides issue #4's scenarios there are three references: the interpreter floor (a hook that is
+``python -I -c pass``: what any Python hook costs before its first import), the 8-GPU start
 with the cache off (NVML on every start; the mock answers in microseconds, a real NVML without
-persistence mode in seconds).
+persistence mode in seconds), and the 8-GPU start without gpuhookd (the hook does the work
+itself, importing the GPU path: what every start costs where the daemon is not running).
 
 The hook's own wall time and peak RSS come from separate, instrumented runs (not the timed
 ones, so the instrument cannot skew them): a small wrapper starts the hook with
 ``posix_spawn`` and reads ``ru_maxrss`` from ``wait4``, which on Linux covers the hook and the
-apply child it forks and reaps. The hook's log gives its step timings (``ms`` of discovery and
+apply child it forks and reaps. Through gpuhookd, the worker's peak RSS is what it logs. The hook's log gives its step timings (``ms`` of discovery and
 apply, ``total_ms`` from ``run_hook``'s start, so without interpreter start and CLI imports).
 NVML calls per start are the lines the mock NVML appends to the host's ``calls.log`` during
 each timed run. Finally ``-X importtime`` of the no-GPU path lists its most costly imports.
