@@ -113,10 +113,9 @@ def parse_config(text: str, *, source: str = "<config>") -> Config:
 
 
 _NOT_FLAT: Final[Any] = object()
-# key: plain | "double-quoted" | 'single-quoted' (quoted: printable ASCII without escapes, always a string)
-_LINE: Final = re.compile(
-    r"""([a-z_]+):(?: +(?:([^#'"\s]*)|"([ !#-\[\]-~]*)"|'([ -&(-~]*)'))?(?: +#.*)? *"""  # spaces only: YAML refuses some tabs
-)
+# key: plain | "double-quoted" | 'single-quoted' (quoted: printable ASCII without escapes, always a string);
+# spaces only: YAML refuses some tabs
+_LINE: Final = re.compile(r"""([a-z_]+):(?: +(?:([^#'"\s]*)|"([ !#-\[\]-~]*)"|'([ -&(-~]*)'))?(?: +#.*)? *""")
 _SCALARS: Final[dict[str, Any]] = {
     "": None, "~": None, "null": None, "Null": None, "NULL": None,
     "true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False,

@@ -27,8 +27,9 @@ itself, importing the GPU path: what every start costs where the daemon is not r
 The hook's own wall time and peak RSS come from separate, instrumented runs (not the timed
 ones, so the instrument cannot skew them): a small wrapper starts the hook with
 ``posix_spawn`` and reads ``ru_maxrss`` from ``wait4``, which on Linux covers the hook and the
-apply child it forks and reaps. Through gpuhookd, the worker's peak RSS is what it logs. The hook's log gives its step timings (``ms`` of discovery and
-apply, ``total_ms`` from ``run_hook``'s start, so without interpreter start and CLI imports).
+apply child it forks and reaps. Through gpuhookd, the worker's peak RSS is what it logs. The
+hook's log gives its step timings (``ms`` of discovery and apply, ``total_ms`` from the GPU
+path's start, so without interpreter start and CLI imports).
 NVML calls per start are the lines the mock NVML appends to the host's ``calls.log`` during
 each timed run. Finally ``-X importtime`` of the no-GPU path lists its most costly imports.
 """

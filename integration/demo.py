@@ -19,7 +19,8 @@ echo; echo '$ devopen /dev/nvidia0 /dev/nvidia1 /dev/nvidiactl /dev/nvidia-uvm  
 devopen /dev/nvidia0 /dev/nvidia1 /dev/nvidiactl /dev/nvidia-uvm
 echo; echo '$ mknod /tmp/other c 195 7 && devopen /tmp/other   (EPERM = the device cgroup refuses it)'
 mknod /tmp/other c 195 7 && devopen /tmp/other
-echo; echo '$ dltest libcuda.so.1 libnvidia-ml.so.1   (through the container ld.so.cache)'; dltest libcuda.so.1 libnvidia-ml.so.1
+echo; echo '$ dltest libcuda.so.1 libnvidia-ml.so.1   (through the container ld.so.cache)'
+dltest libcuda.so.1 libnvidia-ml.so.1
 echo; echo '$ grep nvidia /proc/self/mountinfo | head -3'; grep nvidia /proc/self/mountinfo | cut -d' ' -f5,6 | head -3
 echo; echo '$ nvidia-smi'; nvidia-smi
 """
@@ -43,7 +44,8 @@ def main() -> int:
     bundle.mkdir()
     copy_rootfs(build_rootfs(REPO / ".cache" / "rootfs"), bundle / "rootfs")
     hook = {"path": sys.executable, "args": [*gpuhook, "prestart"], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
-    env = ["PATH=/usr/local/bin:/usr/bin:/bin", "NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
+    env = ["PATH=/usr/local/bin:/usr/bin:/bin", "NVIDIA_VISIBLE_DEVICES=all",
+           "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
     write_bundle(bundle, default_spec("rootfs", ["/bin/sh", "-c", INSIDE], env, hooks={"prestart": [hook]},
                                       capabilities=["CAP_MKNOD"]))
     banner("runc run: busybox with NVIDIA_VISIBLE_DEVICES=all, NVIDIA_DRIVER_CAPABILITIES=compute,utility")

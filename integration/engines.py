@@ -94,7 +94,7 @@ _CGROUP_WALK_DEPTH: Final = 6
 _ids = itertools.count()
 
 
-class MissingTool(RuntimeError):
+class MissingTool(RuntimeError):  # noqa: N818 - read as "raise MissingTool(...)": the name says what happened
     """A host executable the rig needs is not installed; the message says how to install it."""
 
 

@@ -6,6 +6,7 @@ nothing below the CLI prints, exits or reads ``os.environ``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from types import SimpleNamespace
@@ -106,10 +107,8 @@ def exit_now(status: int) -> NoReturn:
     Launchers and console scripts call this; ``main`` itself returns, for tests and callers.
     """
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a reader that left, a closed stream: nothing to add
             stream.flush()
-        except (OSError, ValueError):  # a reader that left, a closed stream: nothing more to say
-            pass
     os._exit(status)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from gpuhook import __version__
 from gpuhook.daemon import server
 from gpuhook.errors import ConfigError
 
@@ -25,5 +26,5 @@ def run_daemon(socket_path: str, *, request_timeout: float, env: MutableMapping[
     server.preload()
     server.prepare(env)
     os.chdir("/")
-    server.say(f"serving on {where} (gpuhook {server.__version__}, pid {os.getpid()})")
+    server.say(f"serving on {where} (gpuhook {__version__}, pid {os.getpid()})")
     server.serve(listener, request_timeout=request_timeout)

@@ -39,7 +39,7 @@ from gpuhook.errors import ConfigError, GpuHookError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Mapping, MutableMapping, Sequence
     from typing import NoReturn
 
     from gpuhook.apply.ahead import ChildAhead
@@ -241,8 +241,8 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[bytes], list[int]]:
     """(kind, parts, fds) of one request; raises WireError or OSError (timeout included)."""
     data, ancillary, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(_FDS * 4), socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+    for level, cmsg_type, payload in ancillary:
+        if level == socket.SOL_SOCKET and cmsg_type == socket.SCM_RIGHTS:
             usable = len(payload) - len(payload) % 4
             fds += [int.from_bytes(payload[i : i + 4], sys.byteorder) for i in range(0, usable, 4)]
     try:
@@ -295,7 +295,7 @@ def say(message: str) -> None:
 # --- the listening socket -----------------------------------------------------------------------
 
 
-def systemd_socket(env: dict[str, str]) -> socket.socket | None:
+def systemd_socket(env: MutableMapping[str, str]) -> socket.socket | None:
     """The socket systemd passed (socket activation, sd_listen_fds(3)), if any."""
     if env.get("LISTEN_PID") != str(os.getpid()) or env.get("LISTEN_FDS") != "1":
         return None

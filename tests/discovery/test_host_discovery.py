@@ -31,7 +31,8 @@ def test_inventory_matches_the_host(host: FakeHost) -> None:
     assert all(f.host_path.is_file() and f.host_path.is_relative_to(host.root) for f in inv.libraries)
     assert {"nvidia-smi", "nvidia-cuda-mps-control"} <= {f.name for f in inv.binaries}
     assert len(inv.firmware) == 2 and [f.name for f in inv.ipc] == ["/run/nvidia-persistenced/socket"]
-    assert [(n.name, n.major, n.minor) for n in inv.gpu_nodes] == [(f"nvidia{g.minor}", 195, g.minor) for g in host.gpus]
+    expected = [(f"nvidia{g.minor}", 195, g.minor) for g in host.gpus]
+    assert [(n.name, n.major, n.minor) for n in inv.gpu_nodes] == expected
     assert {(n.name, n.major) for n in inv.control_nodes} >= {("nvidiactl", 195), ("nvidia-uvm", host.uvm_major)}
     assert inv.proc_driver is not None and len(inv.proc_driver.gpu_dirs) == 4
 

@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from integration.engines import CRUN_HOOK_OUTPUT_ANNOTATIONS, RunResult, default_spec, run_container, unique_id, write_bundle
+from integration.engines import (
+    CRUN_HOOK_OUTPUT_ANNOTATIONS, RunResult, default_spec, run_container, unique_id, write_bundle,
+)
 from integration.fakehost import FakeHost
 from integration.rootfs import build_rootfs, copy_rootfs
 

@@ -83,7 +83,8 @@ def test_cuda_forward_compatibility(make_container: MakeContainer, version: str,
 def test_all_capabilities_bring_every_file(make_container: MakeContainer) -> None:
     """capabilities=all: every capability's libraries, the Vulkan/EGL/OpenCL config files, modeset, GLX link."""
     script = ("dltest libcuda.so.1 libnvidia-encode.so.1 libGLX_nvidia.so.0 libEGL_nvidia.so.0 libnvidia-ngx.so.1 "
-              "libnvidia-ml.so.1; cat /usr/share/vulkan/icd.d/nvidia_icd.json /usr/share/glvnd/egl_vendor.d/10_nvidia.json "
+              "libnvidia-ml.so.1; cat /usr/share/vulkan/icd.d/nvidia_icd.json "
+              "/usr/share/glvnd/egl_vendor.d/10_nvidia.json "
               "/etc/OpenCL/vendors/nvidia.icd; readlink /usr/lib/x86_64-linux-gnu/libGLX_indirect.so.0; "
               "devopen /dev/nvidia-modeset")
     result = make_container(script, {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "all"}).run()

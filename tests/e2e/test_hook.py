@@ -13,7 +13,7 @@ import pytest
 from integration.engines import host_mounts, tree_snapshot
 from integration.fakehost import FakeHost
 
-from .conftest import MakeContainer, hook_entry
+from .conftest import MakeContainer
 
 TWO_GPUS = {"NVIDIA_VISIBLE_DEVICES": "1,3", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
 PROBE = (
@@ -121,13 +121,14 @@ def test_symlinked_mount_target_stays_inside_the_rootfs(make_container: MakeCont
     assert sorted(p.name for p in victim.iterdir()) == ["marker"]
     assert (victim / "marker").read_text() == "host"
     assert result.returncode == 0, result.stderr
-    assert (container.rootfs / victim.relative_to("/") / f"libcuda.so.550.54.15").exists()
+    assert (container.rootfs / victim.relative_to("/") / "libcuda.so.550.54.15").exists()
 
 
 def test_nvidia_hook_name_works(make_container: MakeContainer, host: FakeHost) -> None:
     """The nvidia-container-runtime-hook front-end (docker's --gpus name) with NVIDIA's -config flag."""
     script = Path(sys.executable).with_name("nvidia-container-runtime-hook")
-    hook = {"path": str(script), "args": ["nvidia-container-runtime-hook", "-config", str(host.config_path), "prestart"],
+    hook = {"path": str(script),
+            "args": ["nvidia-container-runtime-hook", "-config", str(host.config_path), "prestart"],
             "env": ["PATH=/usr/bin:/bin"]}
     result = make_container(PROBE, TWO_GPUS, hook=hook).run()
     assert result.returncode == 0, result.stderr

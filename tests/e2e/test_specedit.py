@@ -31,7 +31,8 @@ def test_same_view_with_the_runtime_owning_the_devices(make_container: MakeConta
     spec = json.loads((container.bundle / "config.json").read_text())
     assert {"path": "/dev/nvidia3", "type": "c", "major": 195, "minor": 3, "fileMode": 0o666, "uid": 0, "gid": 0} \
         in spec["linux"]["devices"]
-    assert {"allow": True, "type": "c", "major": 195, "minor": 3, "access": "rw"} in spec["linux"]["resources"]["devices"]
+    rule = {"allow": True, "type": "c", "major": 195, "minor": 3, "access": "rw"}
+    assert rule in spec["linux"]["resources"]["devices"]
     result = container.run()
     assert result.returncode == 0, result.stderr
     assert EXPECTED | {"dlopen libcuda.so.1: OK"} <= {line.strip() for line in result.stdout.splitlines()}

@@ -98,7 +98,8 @@ def test_refresh_units_run_a_real_command() -> None:
     args = _parser().parse_args(argv[1:])
     assert (args.command, args.cdi_command, args.output) == ("cdi", "generate", "/var/run/cdi/nvidia.yaml")
     assert "Unit=gpuhook-cdi-refresh.service" in (packaging / "systemd/gpuhook-cdi-refresh.path").read_text()
-    assert 'SYSTEMD_WANTS}+="gpuhook-cdi-refresh.service"' in (packaging / "udev/71-gpuhook-cdi-refresh.rules").read_text()
+    rules = (packaging / "udev/71-gpuhook-cdi-refresh.rules").read_text()
+    assert 'SYSTEMD_WANTS}+="gpuhook-cdi-refresh.service"' in rules
 
 
 def test_persistence_mode_check() -> None:

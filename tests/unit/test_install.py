@@ -30,7 +30,8 @@ def test_docker_dry_run_then_real_run_then_nothing(tmp_path: Path, capsys: pytes
     data = json.loads(daemon.read_text())
     assert data == {"log-level": "warn", "runtimes": {"gpuhook": {"path": f"{BIN}/gpuhook-runtime"}}}
     assert (tmp_path / "etc/docker/daemon.json.gpuhook-backup").read_text() == '{"log-level": "warn"}\n'
-    assert (tmp_path / "usr/local/bin/nvidia-container-runtime-hook").readlink() == Path(f"{BIN}/nvidia-container-runtime-hook")
+    link = tmp_path / "usr/local/bin/nvidia-container-runtime-hook"
+    assert link.readlink() == Path(f"{BIN}/nvidia-container-runtime-hook")
     run_install("docker", dry_run=False, root=tmp_path, bin_dir=Path(BIN))
     assert "nothing to change" in capsys.readouterr().out
 

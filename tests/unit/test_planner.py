@@ -62,7 +62,8 @@ def test_two_gpus_compute_utility() -> None:
     plan = make_plan(req(GpuIndex(1), GpuIndex(3)), inventory(), TARGET)
     assert [d.path for d in plan.devices] == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
                                               "/dev/nvidia1", "/dev/nvidia3"]
-    assert [str(r) for r in plan.cgroup_rules] == ["c 195:255 rw", "c 511:0 rw", "c 511:1 rw", "c 195:1 rw", "c 195:3 rw"]
+    rules = ["c 195:255 rw", "c 511:0 rw", "c 511:1 rw", "c 195:1 rw", "c 195:3 rw"]
+    assert [str(r) for r in plan.cgroup_rules] == rules
     targets = {m.target for m in plan.mounts}
     assert {f"{LIBS}/libcuda.so.{VER}", f"{LIBS}/libnvidia-ml.so.{VER}", "/usr/bin/nvidia-smi",
             "/usr/bin/nvidia-cuda-mps-control", f"/lib/firmware/nvidia/{VER}/gsp_ga10x.bin",
@@ -115,7 +116,7 @@ def test_unknown_index_names_it_and_lists_what_exists() -> None:
 
 def test_mig_on_a_host_without_mig() -> None:
     """A MIG index is refused with a clear reason when the host has no MIG devices."""
-    with pytest.raises(UnknownDeviceError, match="no MIG device 0:1 .*MIG devices: none"):
+    with pytest.raises(UnknownDeviceError, match=r"no MIG device 0:1 .*MIG devices: none"):
         make_plan(req(MigIndex(0, 1)), inventory(), TARGET)
 
 
@@ -133,7 +134,8 @@ def test_missing_gpu_node_and_control_node_are_host_errors() -> None:
 def test_missing_optional_items_are_skipped_as_data() -> None:
     """Absent optional libraries and nodes become Skipped entries, not silence."""
     inv = inventory()
-    plan = make_plan(req(GpuIndex(0), caps=ALL_CAPABILITIES), Inventory(**{**_fields(inv), "proc_driver": None}), TARGET)
+    without_proc = Inventory(**{**_fields(inv), "proc_driver": None})
+    plan = make_plan(req(GpuIndex(0), caps=ALL_CAPABILITIES), without_proc, TARGET)
     skipped = {s.what for s in plan.skipped}
     assert {"libnvidia-ngx.so", "nvidia-debugdump", "/proc/driver/nvidia"} <= skipped
 
@@ -183,7 +185,8 @@ def test_graphics_configs_and_glx_link() -> None:
     graphics = make_plan(req(GpuIndex(0), caps={Capability.GRAPHICS}), inv, TARGET)
     assert "/usr/share/vulkan/icd.d/nvidia_icd.json" in {m.target for m in graphics.mounts}
     assert "/etc/OpenCL/vendors/nvidia.icd" not in {m.target for m in graphics.mounts}
-    assert (f"{LIBS}/libGLX_indirect.so.0", f"libGLX_nvidia.so.{VER}") in {(s.path, s.target) for s in graphics.symlinks}
+    links = {(s.path, s.target) for s in graphics.symlinks}
+    assert (f"{LIBS}/libGLX_indirect.so.0", f"libGLX_nvidia.so.{VER}") in links
     compute = make_plan(req(GpuIndex(0)), inv, TARGET)
     assert "/etc/OpenCL/vendors/nvidia.icd" in {m.target for m in compute.mounts}
     assert all("GLX" not in s.path for s in compute.symlinks)

@@ -69,7 +69,7 @@ def test_driver_mismatch_message_says_what_to_do() -> None:
 def test_requirements_are_checked_per_gpu() -> None:
     """A brand term is checked against every selected GPU and names the one that fails."""
     gpus = (_gpu(0), replace(_gpu(1), brand="GeForce", model="NVIDIA GeForce RTX 4090"))
-    with pytest.raises(RequirementError, match="GPU 1 \\(NVIDIA GeForce RTX 4090, arch 9.0, brand GeForce\\)"):
+    with pytest.raises(RequirementError, match=r"GPU 1 \(NVIDIA GeForce RTX 4090, arch 9\.0, brand GeForce\)"):
         check_requirements((parse_requirement("NVIDIA_REQUIRE_BRAND", "brand=tesla"),), inventory(), gpus)
     check_requirements((parse_requirement("NVIDIA_REQUIRE_BRAND", "brand=tesla"),), inventory(), gpus[:1])
 
