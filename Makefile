@@ -14,10 +14,15 @@ APT_COMMANDS := runc crun busybox gcc setpriv dockerd containerd ctr podman
 # interpreter /usr/bin/python3.11 that the package's venv is made with.
 PKG_APT_PACKAGES := debootstrap rpm python3.11 python3.11-venv
 
-.PHONY: test unit demo bench deps venv clean packages test-packages pkgdeps nfpm
+.PHONY: test unit lint demo bench deps venv clean packages test-packages pkgdeps nfpm
 
-test: deps pkgdeps venv nfpm
+test: deps pkgdeps venv nfpm lint
 	$(PY) -m pytest -q
+
+# ruff (style and common bugs) and mypy --strict over the package (settings in pyproject.toml)
+lint: venv
+	$(VENV)/bin/ruff check gpuhook integration tests
+	$(VENV)/bin/mypy
 
 unit: venv
 	$(PY) -m pytest -q tests/unit
