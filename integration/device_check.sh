@@ -5,7 +5,8 @@
 #   run(command="bash integration/device_check.sh", carry=[".venv", ".cache/rootfs", "build/runc"])
 # after `mkdir -p build && cp /usr/sbin/runc build/runc && make venv` here (and one test run, which
 # builds .cache/rootfs). It prints `gpuhook info`, `gpuhook doctor`, then starts a real busybox
-# container under runc with NVIDIA_VISIBLE_DEVICES=0 and shows what it sees; figures go to $OUT.
+# container under runc with NVIDIA_VISIBLE_DEVICES=0 five times with the hook in-process and five
+# times through a gpuhookd, and shows what it sees; figures go to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpuhook-device-check}
 # Overridable to rehearse the script on a simulated host: DRIVER_ROOT=DIR DEV_ROOT=DIR PROC_ROOT=DIR.
@@ -38,11 +39,13 @@ if [ -z "$ROOTFS_SRC" ] || [ ! -x "$RUNC" ]; then
 fi
 mkdir -p "$WORK/bundle"
 cp -a "$ROOTFS_SRC" "$WORK/bundle/rootfs"
-"$PY" - "$WORK" "$PY" <<'PYEOF'
+write_spec() {  # $1: the hook's --daemon-socket (none: in-process)
+"$PY" - "$WORK" "$PY" "$1" <<'PYEOF'
 import json, sys
 from integration.engines import default_spec
-work, py = sys.argv[1], sys.argv[2]
-hook = {"path": py, "args": [py, "-I", "-m", "gpuhook", "--config", f"{work}/gpuhook.yaml", "prestart"],
+work, py, socket = sys.argv[1], sys.argv[2], sys.argv[3]
+hook = {"path": py, "args": [py, "-I", "-m", "gpuhook", "--config", f"{work}/gpuhook.yaml", "--daemon-socket", socket,
+                             "prestart"],
         "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
 script = ("ls -l /dev/nvidia*; devopen /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm; "
           "dltest -p libcuda.so.1 libnvidia-ml.so.1; nvidia-smi -L; grep Modify /proc/driver/nvidia/params || echo no /proc/driver/nvidia")
@@ -51,10 +54,23 @@ spec = default_spec("rootfs", ["/bin/sh", "-c", script],
                      "NVIDIA_DRIVER_CAPABILITIES=compute,utility"], hooks={"prestart": [hook]}, annotations={})
 json.dump(spec, open(f"{work}/bundle/config.json", "w"))
 PYEOF
-echo "== runc run with the hook"
-for i in 1 2 3 4 5; do
-  start=$(date +%s%N)
-  "$RUNC" run --bundle "$WORK/bundle" "gpuhook-check-$i" > "$OUT/container-$i.txt" 2>&1
-  echo "run $i: rc=$? $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$OUT/timings.txt"
-done
-cat "$OUT/container-1.txt"
+}
+runs() {  # $1: label
+  for i in 1 2 3 4 5; do
+    start=$(date +%s%N)
+    "$RUNC" run --bundle "$WORK/bundle" "gpuhook-check-$1-$i" > "$OUT/container-$1-$i.txt" 2>&1
+    echo "$1 run $i: rc=$? $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$OUT/timings.txt"
+  done
+  cat "$OUT/container-$1-1.txt"
+}
+echo "== runc run with the hook, in-process"
+write_spec none && runs hook
+echo "== runc run with the hook, through gpuhookd"
+mkdir -m 0700 "$WORK/gpuhookd"
+"$PY" -I -m gpuhook daemon --socket "$WORK/gpuhookd/gpuhookd.sock" > "$OUT/gpuhookd.txt" 2>&1 &
+DAEMON=$!
+for _ in $(seq 100); do [ -S "$WORK/gpuhookd/gpuhookd.sock" ] && break; sleep 0.1; done
+sleep 1  # the spare workers prepare
+write_spec "$WORK/gpuhookd/gpuhookd.sock" && runs gpuhookd
+kill "$DAEMON"; wait "$DAEMON" 2>/dev/null
+grep -c '"served_by": "gpuhookd"' "$OUT/gpuhook.log" | sed 's/^/log events served by gpuhookd: /' | tee -a "$OUT/timings.txt"
