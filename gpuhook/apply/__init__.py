@@ -148,7 +148,7 @@ def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ah
     worker that forked it (same code, same trust), and fds: pidfd, the hook's mount namespace, root."""
     import pickle
 
-    plan, container, ldconfig, timeout = pickle.loads(payload)  # from our own parent process: same code, same trust
+    plan, container, ldconfig, timeout = pickle.loads(payload)
     pidfd, mount_ns_fd, root_fd = fds
     return _child_main(plan, pidfd, container, ldconfig, timeout, out_fd, view=(mount_ns_fd, root_fd),
                        ldconfig_ahead=ldconfig_ahead)

@@ -2,9 +2,10 @@
 
 Forking a large process copies its page tables, and the child then takes a copy-on-write fault
 on every page it writes: in a VM that is milliseconds per fork and microseconds per page. An
-idle gpuhookd worker forks its apply child ahead (the child pre-faults its memory and waits);
-the request hands it the plan and fds over a socketpair, and from there the child runs exactly
-the code a freshly forked one would. Only gpuhookd uses this: a hook process forks at once.
+idle gpuhookd worker forks its apply child ahead (the child pre-faults its memory, forks its own
+ldconfig child ahead, and waits); the request hands it the plan and fds over a socketpair, and
+from there each child runs exactly the code a freshly forked one would. Only gpuhookd uses this:
+a hook process forks at once.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """gpuhookd: the GPU path, imported once, forked per request.
 
-The parent imports the GPU path, then only forks workers; it never touches a connection. Each
-worker waits in accept() (two are kept waiting, so no request waits for a fork), serves one
+The parent imports the GPU path, then only forks workers; it never touches a connection. Two
+workers are kept waiting in accept(), each prepared at the lowest priority before a request
+arrives: its memory faulted in (no copy-on-write fault on the request path) and its apply child,
+with that child's ldconfig child, already forked (``gpuhook.apply.ahead``). A worker serves one
 connection and exits:
 
 1. reads one bounded request, with a deadline, and the fds the hook attached;
@@ -14,8 +16,8 @@ connection and exits:
    in the hook process (a runtime in a private mount namespace works unchanged);
 5. runs the same ``inject`` as the in-process hook and replies with its exit status and message.
 
-A child that outlives ``request_timeout`` is killed by SIGALRM; its own apply children die
-with it (PDEATHSIG), and the hook, seeing no reply, refuses the container.
+A worker that outlives ``request_timeout`` is killed by SIGALRM; its own children die with it
+(PDEATHSIG), and the hook, seeing no reply, refuses the container.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def preload() -> None:
         if not module.name.endswith(".__main__"):  # that one runs the CLI
             importlib.import_module(module.name)
     # Keep the collector off the preloaded objects: a collection in a worker would touch (and so
-    # copy-on-write) every page of them; workers are short-lived and run without it (serve()).
+    # copy-on-write) every page of them; workers are short-lived and run without it (_fork_worker).
     gc.collect()
     gc.freeze()
 
@@ -115,6 +117,7 @@ def serve(listener: socket.socket, *, request_timeout: float, spares: int = SPAR
 def _fork_worker(listener: socket.socket, request_timeout: float, priority: int) -> tuple[int, int]:
     """Fork one worker that waits for a connection; (read end of its taken-a-connection pipe, pid)."""
     read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+    daemon = os.getpid()
     pid = os.fork()
     if pid != 0:
         os.close(write_fd)
@@ -126,7 +129,7 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the worker waits for its own children
         # Idle workers go with the daemon; one serving a request finishes it (PDEATHSIG off again).
         linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:
+        if os.getppid() != daemon:  # it died before the prctl
             os._exit(0)
         # Before a request waits for them: the copy-on-write faults, and the apply child's fork.
         # Not when a connection already waits (a burst of container starts): serve it now.
@@ -196,7 +199,6 @@ def handle(conn: socket.socket, apply_child: ChildAhead | None, *, request_timeo
     finally:
         for fd in fds:
             os.close(fd)
-    conn.settimeout(READ_TIMEOUT)
     conn.sendall(wire.encode_reply(b"done", status, message))
 
 
