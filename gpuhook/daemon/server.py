@@ -2,7 +2,8 @@
 
 The parent imports the GPU path, then only forks workers; it never touches a connection. Two
 workers are kept waiting in accept(), each prepared at the lowest priority before a request
-arrives: its memory faulted in (no copy-on-write fault on the request path) and its apply child,
+arrives (a worker's replacement is forked once it has answered, so preparing it takes no CPU
+from the request): its memory faulted in (no copy-on-write fault on the request path) and its apply child,
 with that child's ldconfig child, already forked (``gpuhook.apply.ahead``). A worker serves one
 connection and exits:
 
@@ -85,7 +86,7 @@ def prepare(env: Mapping[str, str]) -> None:
 
 
 def serve(listener: socket.socket, *, request_timeout: float, spares: int = SPARE_WORKERS) -> NoReturn:
-    """Keep *spares* forked workers waiting in accept(); fork a new one whenever one takes a connection.
+    """Keep *spares* forked workers waiting in accept(); fork a new one whenever one has answered.
 
     Forking the warm daemon takes milliseconds (its page tables are copied), so it happens
     before a request arrives, not while a container waits. Each worker serves one connection.
@@ -108,14 +109,14 @@ def serve(listener: socket.socket, *, request_timeout: float, spares: int = SPAR
             waiting[read_fd] = pid
         if not waiting:
             continue
-        # A byte (or EOF, if it died) on a worker's pipe: it left accept(); replace it.
+        # A byte (or EOF, if it died) on a worker's pipe: it has answered its request; replace it.
         for read_fd in select.select(list(waiting), [], [])[0]:
             os.close(read_fd)
             del waiting[read_fd]
 
 
 def _fork_worker(listener: socket.socket, request_timeout: float, priority: int) -> tuple[int, int]:
-    """Fork one worker that waits for a connection; (read end of its taken-a-connection pipe, pid)."""
+    """Fork one worker that waits for a connection; (read end of its answered pipe, pid)."""
     read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
     daemon = os.getpid()
     pid = os.fork()
@@ -140,12 +141,14 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int)
         conn = _accept(listener)
         os.setpriority(os.PRIO_PROCESS, 0, priority)
         linux.prctl(linux.PR_SET_PDEATHSIG, 0)
-        os.write(write_fd, b"!")
-        os.close(write_fd)
         listener.close()
         try:
             handle(conn, apply_child, request_timeout=request_timeout)
         finally:
+            # Now the daemon forks a replacement: preparing it while this request ran would take
+            # CPU from it. A burst meanwhile goes to the other spare, or queues briefly.
+            os.write(write_fd, b"!")
+            os.close(write_fd)
             if apply_child is not None:
                 apply_child.cancel()  # unless the request started it
     except BaseException:  # noqa: BLE001 - a worker never unwinds into the daemon's loop
