@@ -261,3 +261,35 @@ def test_a_burst_of_starts_is_served(make_container: MakeContainer, host: FakeHo
         assert "/dev/nvidia2 ENXIO" in result.stdout
     applied = [e for e in events_after(host.root / "gpuhook.log", offset) if e["event"] == "applied"]
     assert [e["served_by"] for e in applied] == ["gpuhookd"] * len(containers)
+
+
+def test_daemon_in_its_own_mount_and_cgroup_namespaces(make_container: MakeContainer, host: FakeHost,
+                                                        tmp_path: Path) -> None:
+    """gpuhookd run as the installer DaemonSet runs it (a privileged pod with hostPID: its own mount
+    and cgroup namespaces): the worker still works in the hook's view of the host."""
+    socket_dir = tmp_path / "run"
+    socket_dir.mkdir(mode=0o700)
+    path = str(socket_dir / "gpuhookd.sock")
+    journal = tmp_path / "pod.journal"
+    with journal.open("wb") as out:
+        pod = subprocess.Popen(["unshare", "--mount", "--cgroup", "--propagation", "private", "--",
+                                sys.executable, "-I", "-m", "gpuhook", "daemon", "--socket", path],
+                               stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/")
+    try:
+        deadline = time.monotonic() + 20
+        while not Path(path).exists():
+            assert pod.poll() is None and time.monotonic() < deadline, journal.read_text()
+            time.sleep(0.05)
+        own_ns = os.stat("/proc/self/ns/mnt").st_ino
+        assert os.stat(f"/proc/{pod.pid}/ns/mnt").st_ino != own_ns  # unshare exec'd the daemon in place
+        offset = log_size(host)
+        hook = hook_entry(host.config_path, "--daemon-socket", path, "prestart")
+        result = make_container(PROBE, TWO_GPUS, hook=hook).run()
+        assert result.returncode == 0, result.stderr
+        assert {"/dev/nvidia1 ENXIO", "/dev/nvidia3 ENXIO", "/tmp/gpu0 EPERM", "dlopen libcuda.so.1: OK"} <= lines(
+            result.stdout)
+        assert {e["served_by"] for e in events_after(host.root / "gpuhook.log", offset)} == {"gpuhookd"}
+    finally:
+        pod.terminate()
+        pod.wait(timeout=10)
+    assert "request failed" not in journal.read_text()

@@ -71,5 +71,12 @@ def test_kubernetes_files_parse_and_agree() -> None:
     assert 'BinaryName = "/usr/lib/gpuhook/bin/gpuhook-runtime"' in dropin and change.content and \
         'BinaryName = "/usr/lib/gpuhook/bin/gpuhook-runtime"' in change.content
     daemonset = yaml.safe_load((PACKAGING / "kubernetes/daemonset.yaml").read_text())
-    args = daemonset["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    pod = daemonset["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"][0]
     assert "gpuhook install --runtime containerd --root /host" in args
+    # then it stays as gpuhookd, on the host's socket, in the host's pid namespace
+    assert args.endswith("exec /usr/lib/gpuhook/bin/gpuhook daemon --socket /run/gpuhook/gpuhookd.sock")
+    assert pod["hostPID"] is True
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    assert host_paths[next(n for n, p in mounts.items() if p == "/run/gpuhook")] == "/run/gpuhook"
