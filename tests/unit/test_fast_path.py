@@ -14,8 +14,9 @@ from gpuhook.cli import _hook_argv, _parser
 
 REPO = Path(__file__).parents[2]
 #: Everything the no-GPU path may import beyond the interpreter's own start-up: the C JSON scanner, select,
-#: and gpuhook's light modules; no typing, dataclasses, re, pathlib, ctypes, YAML or logging.
-ALLOWED = {"_json", "select", "gpuhook", "gpuhook.cli",
+#: two tiny modules (__future__, types) and gpuhook's light modules; no contextlib (~4 ms), typing,
+#: dataclasses, re, pathlib, ctypes, YAML or logging.
+ALLOWED = {"__future__", "types", "_json", "select", "gpuhook", "gpuhook.cli",
            "gpuhook.cli.hook", "gpuhook.cli.hygiene", "gpuhook.cli.inputs", "gpuhook.errors", "gpuhook.oci",
            "gpuhook.oci.strictjson", "gpuhook.request", "gpuhook.request.quick"}
 
@@ -66,9 +67,13 @@ def test_no_gpu_start_loads_nothing_heavy(tmp_path: Path) -> None:
     (bundle / "config.json").write_text(json.dumps(
         {"ociVersion": "1.0.2", "process": {"args": ["sh"], "env": ["PATH=/bin"]}, "root": {"path": "rootfs"}}))
     state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "pid": 4242, "bundle": str(bundle), "status": "creating"})
-    code = ("import sys; before = set(sys.modules); from gpuhook.cli import main; "
+    # As in production (a regular install, `python -I`): the interpreter plus what site imports (os), and
+    # no .pth processing: this dev venv's editable-install finder imports contextlib, re and more at
+    # start-up, which would hide the same imports made by gpuhook.
+    code = (f"import sys, os; before = set(sys.modules); sys.path.insert(0, {str(REPO)!r}); "
+            "from gpuhook.cli import main; "
             "rc = main(['--config', '/nonexistent.yaml', 'prestart']); print(rc, sorted(set(sys.modules) - before))")
-    out = subprocess.run([sys.executable, "-I", "-c", code], input=state, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], input=state, capture_output=True, text=True,
                          check=True, cwd="/")
     rc, _, loaded = out.stdout.strip().partition(" ")
     assert rc == "0", out.stderr
