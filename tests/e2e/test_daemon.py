@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import json
 import os
@@ -22,6 +23,7 @@ from integration.engines import tree_snapshot
 from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
 
+from ..unit.test_fast_path import ALLOWED as NO_GPU_PATH
 from .conftest import MakeContainer, hook_entry
 from .test_hook import PROBE, TWO_GPUS, lines
 
@@ -293,3 +295,22 @@ def test_daemon_in_its_own_mount_and_cgroup_namespaces(make_container: MakeConta
         pod.terminate()
         pod.wait(timeout=10)
     assert "request failed" not in journal.read_text()
+
+
+def test_hook_side_of_a_served_request_imports_only_the_client(make_container: MakeContainer, host: FakeHost,
+                                                               daemon: Gpuhookd) -> None:
+    """With gpuhookd serving, a GPU start costs the hook the no-GPU path plus the client: nothing of the
+    GPU path itself (measured as production imports: -S, no editable-install finder)."""
+    repo = str(Path(__file__).parents[2])
+    code = (f"import sys, os; before = set(sys.modules); sys.path.insert(0, {repo!r}); "
+            "from gpuhook.cli import main; "
+            f"rc = main(['--config', {str(host.config_path)!r}, '--daemon-socket', {daemon.socket!r}, 'prestart']); "
+            "open(os.environ['OUT'], 'w').write(repr(sorted(set(sys.modules) - before)))")
+    report = host.root.parent / "imports.txt"
+    hook = {"path": sys.executable, "args": [sys.executable, "-I", "-S", "-c", code],
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", f"OUT={report}"]}
+    result = make_container("devopen /dev/nvidia1", {"NVIDIA_VISIBLE_DEVICES": "1"}, hook=hook).run()
+    assert result.returncode == 0, result.stderr
+    assert "/dev/nvidia1 ENXIO" in result.stdout
+    client_side = {"gpuhook.daemon", "gpuhook.daemon.client", "gpuhook.daemon.wire", "_socket"}
+    assert set(ast.literal_eval(report.read_text())) <= NO_GPU_PATH | client_side
