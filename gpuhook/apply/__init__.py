@@ -129,7 +129,7 @@ def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, 
             os.close(read_fd)
             os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, write_fd))
         os.close(write_fd)
-    result = wait_child(child, read_fd, timeout)
+    result = wait_child(child, read_fd, timeout, await_exit=False)  # the report is its last word
     if result.timed_out:
         raise ApplyError("apply", str(container.rootfs), detail=f"timed out after {timeout:g} s")
     raw = result.output
@@ -183,6 +183,7 @@ def _child_main(
     os.write(out_fd, json.dumps(report).encode())
     if ldconfig_ahead is not None:
         ldconfig_ahead.cancel()  # not needed after all (a no-op once started)
+    os.close(out_fd)  # our last word: the parent goes on while this process exits
     return status
 
 

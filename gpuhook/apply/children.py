@@ -11,15 +11,21 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class ChildResult:
-    """What a child wrote, how it ended (exit code, or -signal), and whether we had to kill it."""
+    """What a child wrote, how it ended (exit code, or -signal; None: still exiting, left to init),
+    and whether we had to kill it."""
 
     output: bytes
-    status: int
+    status: int | None
     timed_out: bool
 
 
-def wait_child(pid: int, read_fd: int, timeout: float) -> ChildResult:
-    """Read *read_fd* to EOF and reap *pid*; SIGKILL it once *timeout* seconds have passed."""
+def wait_child(pid: int, read_fd: int, timeout: float, *, await_exit: bool = True) -> ChildResult:
+    """Read *read_fd* to EOF and reap *pid*; SIGKILL it once *timeout* seconds have passed.
+
+    ``await_exit=False``: a child that closed *read_fd*'s other end after its last word is not
+    waited for while it exits (tearing down its memory takes milliseconds); it is reaped if it
+    has already gone, else left to init once we exit.
+    """
     chunks = []
     deadline = time.monotonic() + timeout
     timed_out = False
@@ -36,5 +42,5 @@ def wait_child(pid: int, read_fd: int, timeout: float) -> ChildResult:
             chunks.append(chunk)
     finally:
         os.close(read_fd)
-        _, status = os.waitpid(pid, 0)
-    return ChildResult(b"".join(chunks), os.waitstatus_to_exitcode(status), timed_out)
+        reaped, status = os.waitpid(pid, 0 if await_exit or timed_out else os.WNOHANG)
+    return ChildResult(b"".join(chunks), os.waitstatus_to_exitcode(status) if reaped else None, timed_out)

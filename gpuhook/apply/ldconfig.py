@@ -156,7 +156,7 @@ def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, timeout
     result = wait_child(pid, read_fd, timeout)
     output, status = result.output.decode("utf-8", "replace"), result.status
     if status != 0:
-        why = f"exited with status {status}" if status >= 0 else f"killed by signal {-status}"
+        why = f"killed by signal {-status}" if status is not None and status < 0 else f"exited with status {status}"
         raise ApplyError("ldconfig", " ".join(dirs), detail=f"{why}: {output.strip()[-500:]}")
 
 
