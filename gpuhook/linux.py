@@ -284,32 +284,6 @@ _STATX_SIZE: Final = 256  # struct statx
 _STATX_MNT_ID_OFFSET: Final = 144  # __u64 stx_mnt_id, after stx_dev_minor
 
 
-MADV_POPULATE_WRITE: Final = 23
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-
-
-def populate_writable_memory() -> int:
-    """Take now every copy-on-write fault this forked process would take on first write.
-
-    madvise(MADV_POPULATE_WRITE) (Linux 5.14) over each writable private mapping: a process
-    forked from a large one pays a fault per page it writes (several microseconds each in a VM),
-    which an idle gpuhookd worker can pay before a container waits for it. Returns the bytes
-    populated; kernels without it populate nothing (EINVAL) and the faults come as before.
-    """
-    done = 0
-    with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as maps:
-        regions = [line.split(maxsplit=2)[:2] for line in maps]
-    for span, perms in regions:
-        if perms[1] != "w" or perms[3] != "p":
-            continue
-        start, end = (int(edge, 16) for edge in span.split("-"))
-        if _libc.madvise(start, end - start, MADV_POPULATE_WRITE) == 0:
-            done += end - start
-        elif ctypes.get_errno() == errno.EINVAL:
-            break
-    return done
-
-
 def mount_id(fd: int) -> int:
     """The id of the mount *fd* lives on: statx's stx_mnt_id (one syscall), else fdinfo's mnt_id."""
     buf = ctypes.create_string_buffer(_STATX_SIZE)

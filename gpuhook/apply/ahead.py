@@ -1,11 +1,13 @@
 """A child forked before its work is known, so that the work does not wait for the fork.
 
-Forking a large process copies its page tables, and the child then takes a copy-on-write fault
-on every page it writes: in a VM that is milliseconds per fork and microseconds per page. An
-idle gpuhookd worker forks its apply child ahead (the child pre-faults its memory, forks its own
-ldconfig child ahead, and waits); the request hands it the plan and fds over a socketpair, and
-from there each child runs exactly the code a freshly forked one would. Only gpuhookd uses this:
-a hook process forks at once.
+Forking a large process copies its page tables: in a VM that is milliseconds per fork. An idle
+gpuhookd worker forks its apply child ahead (which forks its own ldconfig child ahead, and waits);
+the request hands it the plan and fds over a socketpair, and from there each child runs exactly
+the code a freshly forked one would. Only gpuhookd uses this: a hook process forks at once.
+
+(Pre-faulting the children's memory with MADV_POPULATE_WRITE as well saved ~5 ms per request on
+a quiet machine but cost ~25 ms of CPU and ~15 MiB per prepared process, and measured slower
+under load in ``make bench``: it is not done.)
 """
 
 from __future__ import annotations
@@ -34,11 +36,10 @@ MAX_FDS = 8
 class ChildAhead:
     """A forked child waiting for its work; ``start`` hands it over (once)."""
 
-    def __init__(self, work: Work, *, close: Sequence[int] = (), populate: bool = True,
-                 prepare: Prepare | None = None) -> None:
-        """Fork now. The child closes *close* (its parent's fds it must not hold), pre-faults its
-        memory if *populate*, runs ``prepare(its own fds to keep out)`` (to fork its own child ahead),
-        waits, then runs ``work(payload, fds, report_fd, prepared)`` and exits with its status."""
+    def __init__(self, work: Work, *, close: Sequence[int] = (), prepare: Prepare | None = None) -> None:
+        """Fork now. The child closes *close* (its parent's fds it must not hold), runs
+        ``prepare(its own fds to keep out)`` (to fork its own child ahead), waits, then runs
+        ``work(payload, fds, report_fd, prepared)`` and exits with its status."""
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         parent = os.getpid()
@@ -49,7 +50,7 @@ class ChildAhead:
                 os.close(fd)
             status = 1
             try:
-                status = _wait_for_work(child_end, write_fd, work, parent, populate, prepare)
+                status = _wait_for_work(child_end, write_fd, work, parent, prepare)
             finally:
                 os._exit(status)
         child_end.close()
@@ -83,14 +84,11 @@ def _fd_bytes(fds: Sequence[int]) -> bytes:
     return b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
 
 
-def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: int, populate: bool,
-                   prepare: Prepare | None) -> int:
-    """The child's side: pre-fault, prepare, wait for the payload (or EOF: cancelled), run the work."""
+def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: int, prepare: Prepare | None) -> int:
+    """The child's side: prepare, wait for the payload (or EOF: cancelled), run the work."""
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the process that forked us
     if os.getppid() != parent:
         return 0
-    if populate:
-        linux.populate_writable_memory()
     prepared = prepare((channel.fileno(), report_fd)) if prepare is not None else None
     chunks: list[bytes] = []
     fds: list[int] = []

@@ -164,8 +164,7 @@ def fork_ldconfig_ahead(close: Sequence[int]) -> ChildAhead:
     """The ldconfig child, forked before it is needed (by gpuhookd's apply child while idle)."""
     from gpuhook.apply.ahead import ChildAhead
 
-    # It execs ldconfig moments after its work arrives: pre-faulting its memory would be wasted.
-    return ChildAhead(_ldconfig_from_payload, close=close, populate=False)
+    return ChildAhead(_ldconfig_from_payload, close=close)
 
 
 def _ldconfig_from_payload(payload: bytes, fds: list[int], out_fd: int, _: ChildAhead | None) -> int:

@@ -3,9 +3,8 @@
 The parent imports the GPU path, then only forks workers; it never touches a connection. Two
 workers are kept waiting in accept(), each prepared at the lowest priority before a request
 arrives (a worker's replacement is forked once it has answered, so preparing it takes no CPU
-from the request): its memory faulted in (no copy-on-write fault on the request path) and its apply child,
-with that child's ldconfig child, already forked (``gpuhook.apply.ahead``). A worker serves one
-connection and exits:
+from the request): its apply child, with that child's ldconfig child, is already forked
+(``gpuhook.apply.ahead``). A worker serves one connection and exits:
 
 1. reads one bounded request, with a deadline, and the fds the hook attached;
 2. checks the peer is root (SO_PEERCRED; the socket is also 0600 in a 0700 directory);
@@ -132,11 +131,10 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int)
         linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != daemon:  # it died before the prctl
             os._exit(0)
-        # Before a request waits for them: the copy-on-write faults, and the apply child's fork.
-        # Not when a connection already waits (a burst of container starts): serve it now.
+        # Before a request waits for it: the apply child's fork. Not when a connection already
+        # waits (a burst of container starts): serve it now.
         apply_child = None
         if not select.select([listener], [], [], 0)[0]:
-            linux.populate_writable_memory()
             apply_child = fork_apply_child(close=(listener.fileno(), write_fd))
         conn = _accept(listener)
         os.setpriority(os.PRIO_PROCESS, 0, priority)
