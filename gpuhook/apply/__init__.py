@@ -86,13 +86,26 @@ def apply_plan(plan: Plan, container: ContainerRef, *, ldconfig: Path, timeout: 
         if plan.cgroup_rules:
             undo_cgroup = cgroups.grant(cgroups.locate_device_cgroup(container.pid), plan.cgroup_rules)
         try:
-            return _run_child(plan, pidfd, container, ldconfig, timeout, ahead)
+            return _run_child(plan, pidfd, container, ldconfig, timeout, ahead, _shared_namespaces(container.pid))
         except BaseException:
             if undo_cgroup is not None:
                 undo_cgroup()
             raise
     finally:
         os.close(pidfd)
+
+
+def _shared_namespaces(pid: int) -> int:
+    """The CLONE_NEW* flags of the network, IPC and UTS namespaces the container shares with us
+    (``--net=host`` and the like): ldconfig gets fresh ones of those, the container's own otherwise."""
+    shared = 0
+    for name, flag in (("net", linux.CLONE_NEWNET), ("ipc", linux.CLONE_NEWIPC), ("uts", linux.CLONE_NEWUTS)):
+        try:
+            if os.stat(f"/proc/{pid}/ns/{name}").st_ino == os.stat(f"/proc/self/ns/{name}").st_ino:
+                shared |= flag
+        except OSError:
+            shared |= flag  # unreadable: assume the worst, a fresh one costs only time
+    return shared
 
 
 def _open_container(pid: int) -> int:
@@ -115,19 +128,19 @@ def _open_container(pid: int) -> int:
 
 
 def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float,
-               ahead: ChildForkedAhead | None) -> ApplyReport:
+               ahead: ChildForkedAhead | None, shared: int) -> ApplyReport:
     """Fork (or hand the work to) the child that does the namespace work, and collect its report."""
     if ahead is not None:
         import pickle  # gpuhookd only (preloaded there)
 
-        payload = pickle.dumps((plan, container, ldconfig, timeout))
+        payload = pickle.dumps((plan, container, ldconfig, timeout, shared))
         child, read_fd = ahead.child.start(payload, (pidfd, ahead.mount_ns_fd, ahead.root_fd))
     else:
         read_fd, write_fd = os.pipe()
         child = os.fork()
         if child == 0:  # pragma: no cover - runs in the forked child; exercised by the runc tests
             os.close(read_fd)
-            os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, write_fd))
+            os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, shared, write_fd))
         os.close(write_fd)
     result = wait_child(child, read_fd, timeout, await_exit=False)  # the report is its last word
     if result.timed_out:
@@ -148,14 +161,14 @@ def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ah
     worker that forked it (same code, same trust), and fds: pidfd, the hook's mount namespace, root."""
     import pickle
 
-    plan, container, ldconfig, timeout = pickle.loads(payload)
+    plan, container, ldconfig, timeout, shared = pickle.loads(payload)
     pidfd, mount_ns_fd, root_fd = fds
-    return _child_main(plan, pidfd, container, ldconfig, timeout, out_fd, view=(mount_ns_fd, root_fd),
+    return _child_main(plan, pidfd, container, ldconfig, timeout, shared, out_fd, view=(mount_ns_fd, root_fd),
                        ldconfig_ahead=ldconfig_ahead)
 
 
 def _child_main(
-    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, out_fd: int,
+    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, shared: int, out_fd: int,
     view: tuple[int, int] | None = None, ldconfig_ahead: ChildAhead | None = None,
 ) -> int:
     """Body of the forked child; returns its exit status after writing the JSON report.
@@ -170,7 +183,7 @@ def _child_main(
             linux.enter_mount_view(*view)
             for fd in view:
                 os.close(fd)
-        skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, ldconfig_ahead)
+        skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, shared, ldconfig_ahead)
         report: dict[str, object] = {"skipped": skipped}
         status = 0
     except ApplyError as err:
@@ -188,7 +201,8 @@ def _child_main(
 
 
 def _apply_in_container(
-    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, ldconfig_ahead: ChildAhead | None
+    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, shared: int,
+    ldconfig_ahead: ChildAhead | None,
 ) -> list[str]:
     """Open host sources, enter the container, make every change; undo all on failure."""
     os.umask(0)
@@ -224,7 +238,8 @@ def _apply_in_container(
                 skipped.append(note)
         if dirs and ldconfig_fd is not None:
             # Half the budget: a hung ldconfig must fail inside this child, so rollback still runs.
-            run_ldconfig(ldconfig_fd, fs.root_fd, dirs, timeout=timeout / 2, ahead=ldconfig_ahead, pidfd=pidfd)
+            run_ldconfig(ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared, timeout=timeout / 2,
+                         ahead=ldconfig_ahead)
     except BaseException as err:
         leftovers = fs.rollback()
         if leftovers and isinstance(err, ApplyError):

@@ -11,7 +11,8 @@ planted. Here:
   modify it;
 * it must be statically linked: a dynamic one would load its interpreter and
   libc from the container after chroot;
-* it runs in fresh mount, network, IPC and UTS namespaces, with ``/proc``,
+* it runs in a fresh mount namespace and the container's own network, IPC and UTS namespaces
+  (fresh ones where the container shares the host's), with ``/proc``,
   ``/sys`` and ``/dev`` of the rootfs hidden under empty read-only tmpfs (an
   ``include /proc/1/root/...`` in the image's ld.so.conf would otherwise reach
   the host), chrooted into the rootfs, with no_new_privs, a bounding set of
@@ -137,21 +138,24 @@ def _has_interpreter(fd: int, shown: str) -> bool:
     )
 
 
-def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, timeout: float,
-                 ahead: ChildAhead | None = None, pidfd: int | None = None) -> None:
-    """Run ldconfig chrooted at *root_fd*; raises ApplyError with its output on failure.
+def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, pidfd: int, fresh: int, timeout: float,
+                 ahead: ChildAhead | None = None) -> None:
+    """Run ldconfig chrooted at *root_fd*, in the namespaces of the container *pidfd* names (fresh
+    ones for the CLONE_NEW* flags in *fresh*: those it shares with the host); raises ApplyError
+    with its output on failure.
 
     *ahead*: a child forked in advance by ``fork_ldconfig_ahead`` (gpuhookd), which first joins
-    the mount namespace of the container *pidfd* names; otherwise a child is forked now, in ours.
+    the container's mount namespace; otherwise a child is forked now, in it already.
     """
     argv = ["ldconfig", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *dirs]
-    if ahead is not None and pidfd is not None:
-        pid, read_fd = ahead.start("\0".join(argv).encode(), (pidfd, root_fd, ldconfig_fd))
+    if ahead is not None:
+        payload = "\0".join((str(fresh), *argv)).encode()
+        pid, read_fd = ahead.start(payload, (pidfd, root_fd, ldconfig_fd))
     else:
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - runs in the forked child
-            _exec_sandboxed(ldconfig_fd, root_fd, argv, write_fd)
+            _exec_sandboxed(ldconfig_fd, root_fd, pidfd, fresh, argv, write_fd)
         os.close(write_fd)
     result = wait_child(pid, read_fd, timeout)
     output, status = result.output.decode("utf-8", "replace"), result.status
@@ -171,20 +175,21 @@ def _ldconfig_from_payload(payload: bytes, fds: list[int], out_fd: int, _: Child
     """Join the container's mount namespace (fds: its pidfd, the rootfs, the sealed ldconfig), then
     run the sandboxed ldconfig exactly as a child forked inside it would."""
     pidfd, root_fd, ldconfig_fd = fds
+    fresh, *argv = payload.decode().split("\0")
     try:
         linux.setns(pidfd, linux.CLONE_NEWNS)
     except OSError as err:
         os.write(out_fd, f"cannot start ldconfig: {err}".encode())
         return 127
-    _exec_sandboxed(ldconfig_fd, root_fd, payload.decode().split("\0"), out_fd)
+    _exec_sandboxed(ldconfig_fd, root_fd, pidfd, int(fresh), argv, out_fd)
 
 
-def _exec_sandboxed(ldconfig_fd: int, root_fd: int, argv: list[str], out_fd: int) -> NoReturn:
+def _exec_sandboxed(ldconfig_fd: int, root_fd: int, pidfd: int, fresh: int, argv: list[str], out_fd: int) -> NoReturn:
     """In the child: output to *out_fd*, the sandbox, then exec ldconfig (or report why not and exit 127)."""
     try:
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
-        _sandbox(root_fd)
+        _sandbox(root_fd, pidfd, fresh)
         os.execve(ldconfig_fd, argv, _ENV)
     except BaseException as err:  # noqa: BLE001 - report why the sandbox or exec failed, then die
         os.write(2, f"cannot start ldconfig: {err}".encode())
@@ -192,13 +197,19 @@ def _exec_sandboxed(ldconfig_fd: int, root_fd: int, argv: list[str], out_fd: int
         os._exit(127)
 
 
-def _sandbox(root_fd: int) -> None:
-    """Private namespaces, hidden /proc /sys /dev, chroot, limits, no privileges to gain (in the child)."""
+def _sandbox(root_fd: int, pidfd: int, fresh: int) -> None:
+    """The container's namespaces and a private mount namespace, hidden /proc /sys /dev, chroot,
+    limits, no privileges to gain (in the child)."""
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the step that waits for us
+    # The container's network, IPC and UTS namespaces (CVE-2024-0137 ran ldconfig in the host's
+    # network namespace): ldconfig reaches nothing the container cannot. Joining them is free, where
+    # a new network namespace per start costs the kernel a teardown each time; only those the
+    # container shares with the host (--net=host, ...) are created fresh.
+    linux.setns(pidfd, linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
     # unshare moves our cwd (not our fds) into the new namespace's copy of the tree, so stand in
     # the rootfs first and re-open it afterwards: mounts must target the new namespace.
     os.fchdir(root_fd)
-    linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
+    linux.unshare(linux.CLONE_NEWNS | fresh)
     linux.make_mounts_private()
     root_fd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     hidden = linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV | linux.MOUNT_ATTR_NOEXEC

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from gpuhook import linux
 from gpuhook.apply.ldconfig import open_ldconfig, run_ldconfig
 from gpuhook.cdi import Rendered, render_spec
 from gpuhook.cli.bundle import read_spec
@@ -100,9 +101,14 @@ def run_update_ldcache(config_arg: str | None, debug: bool, stdin: BinaryIO, env
     except OSError as err:
         os.close(ldconfig_fd)
         raise SpecError(f"cannot open the container rootfs {spec.rootfs}: {err.strerror}") from err
+    # This hook already runs in the container's namespaces, where the host's cannot be told apart:
+    # ldconfig joins ours (a no-op) and gets fresh network, IPC and UTS namespaces, always.
+    own = os.pidfd_open(os.getpid())
     try:
-        run_ldconfig(ldconfig_fd, root_fd, dirs, timeout=config.timeout_seconds)
+        run_ldconfig(ldconfig_fd, root_fd, dirs, pidfd=own, timeout=config.timeout_seconds,
+                     fresh=linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
     finally:
+        os.close(own)
         os.close(root_fd)
         os.close(ldconfig_fd)
     return 0

@@ -96,6 +96,8 @@ class Progs:
     libmarker: Path
     #: a static executable that prints "boom" and exits 1 (a failing ldconfig)
     exit1: Path
+    #: a static executable that prints its host name and network interfaces, then exits 1
+    nsprobe: Path
     #: where poc.so writes when it runs
     marker: Path
 
@@ -113,9 +115,10 @@ def progs(tmp_path_factory: pytest.TempPathFactory) -> Progs:
         assert proc.returncode == 0, proc.stderr
 
     progs = Progs(poc_so=out / "poc.so", noop_so=out / "noop.so", libmarker=out / "libmarker.so.1.0",
-                  exit1=out / "exit1", marker=marker)
+                  exit1=out / "exit1", nsprobe=out / "nsprobe", marker=marker)
     cc("-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(progs.poc_so), str(PROGS / "poc.c"))
     cc("-shared", "-fPIC", "-o", str(progs.noop_so), str(PROGS / "noop.c"))
     cc("-shared", "-fPIC", "-Wl,-soname,libmarker.so.1", "-o", str(progs.libmarker), str(PROGS / "noop.c"))
     cc("-static", "-o", str(progs.exit1), str(PROGS / "exit1.c"))
+    cc("-static", "-o", str(progs.nsprobe), str(PROGS / "nsprobe.c"))
     return progs

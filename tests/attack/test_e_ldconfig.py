@@ -69,3 +69,31 @@ def test_ld_so_conf_poisoning_stays_in_the_rootfs(rig: Rig, progs: Progs) -> Non
         rig.check_gpu(outcome, [0])
     else:
         outcome.assert_refused("ldconfig")
+
+
+def _host_interfaces() -> set[str]:
+    return {p.name for p in Path("/sys/class/net").iterdir()}
+
+
+def test_ldconfig_runs_in_the_containers_network_namespace(rig: Rig, progs: Progs) -> None:
+    """E40 (CVE-2024-0137 ran ldconfig in the host's network namespace): ldconfig sees only the
+    container's loopback, never the host's interfaces. (Its host name cannot tell the UTS namespace:
+    runc sets the container's only after the prestart hooks.)"""
+    assert _host_interfaces() != {"lo"}, "the host needs an interface besides lo for this test to mean anything"
+    outcome = rig.run(rig.container(GPU0, config=rig.config(ldconfig=progs.nsprobe)))
+    outcome.assert_refused("ldconfig")  # nsprobe exits 1 after reporting
+    assert "ifaces=lo,;" in outcome.hook_error, outcome.hook_error
+
+
+def test_ldconfig_of_a_host_network_container_gets_a_fresh_network_namespace(rig: Rig, progs: Progs) -> None:
+    """A container on the host's network (and UTS) namespace: ldconfig gets fresh ones, never the host's
+    (where it would see eth0 and the rest)."""
+    def host_namespaces(spec: dict[str, object]) -> None:
+        linux = spec["linux"]
+        assert isinstance(linux, dict)
+        linux["namespaces"] = [ns for ns in linux["namespaces"] if ns["type"] not in ("network", "uts")]
+        spec.pop("hostname", None)
+
+    outcome = rig.run(rig.container(GPU0, config=rig.config(ldconfig=progs.nsprobe), edit_spec=host_namespaces))
+    outcome.assert_refused("ldconfig")
+    assert "ifaces=lo,;" in outcome.hook_error, outcome.hook_error
