@@ -68,13 +68,13 @@ class ChildForkedAhead:
     root_fd: int
 
 
-def fork_apply_child(*, close: Sequence[int] = ()) -> ChildAhead:
+def fork_apply_child(*, priority: int, close: Sequence[int] = ()) -> ChildAhead:
     """An apply child forked now, to get its plan later (an idle gpuhookd worker does this); it
-    closes *close*, fds of the worker it must not hold."""
+    closes *close*, fds of the worker it must not hold, and waits at nice value *priority*."""
     from gpuhook.apply.ahead import ChildAhead  # gpuhookd only: a hook forks at once
     from gpuhook.apply.ldconfig import fork_ldconfig_ahead
 
-    return ChildAhead(_child_from_payload, close=close, prepare=fork_ldconfig_ahead)
+    return ChildAhead(_child_from_payload, priority=priority, close=close, prepare=fork_ldconfig_ahead)
 
 
 def apply_plan(plan: Plan, container: ContainerRef, *, ldconfig: Path, timeout: float,

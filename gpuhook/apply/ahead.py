@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
     #: (payload, fds, report fd, the child this one prepared) -> exit status
     Work = Callable[[bytes, list[int], int, "ChildAhead | None"], int]
-    #: (fds the prepared child must close) -> a child forked ahead by this one
-    Prepare = Callable[[Sequence[int]], "ChildAhead"]
+    #: (fds the prepared child must close, its priority) -> a child forked ahead by this one
+    Prepare = Callable[[Sequence[int], int], "ChildAhead"]
 
 #: the payload (a pickled plan) stays far below this; the limit only bounds a broken parent
 PAYLOAD_LIMIT = 64 << 20
@@ -36,9 +36,11 @@ MAX_FDS = 8
 class ChildAhead:
     """A forked child waiting for its work; ``start`` hands it over (once)."""
 
-    def __init__(self, work: Work, *, close: Sequence[int] = (), prepare: Prepare | None = None) -> None:
+    def __init__(self, work: Work, *, priority: int, close: Sequence[int] = (), prepare: Prepare | None = None,
+                 ) -> None:
         """Fork now. The child closes *close* (its parent's fds it must not hold), runs
-        ``prepare(its own fds to keep out)`` (to fork its own child ahead), waits, then runs
+        ``prepare(its own fds to keep out, priority)`` (to fork its own child ahead), takes the nice
+        value *priority* (it was forked by an idle process at the lowest), waits, then runs
         ``work(payload, fds, report_fd, prepared)`` and exits with its status."""
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
@@ -50,7 +52,7 @@ class ChildAhead:
                 os.close(fd)
             status = 1
             try:
-                status = _wait_for_work(child_end, write_fd, work, parent, prepare)
+                status = _wait_for_work(child_end, write_fd, work, parent, priority, prepare)
             finally:
                 os._exit(status)
         child_end.close()
@@ -84,12 +86,14 @@ def _fd_bytes(fds: Sequence[int]) -> bytes:
     return b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
 
 
-def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: int, prepare: Prepare | None) -> int:
+def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: int, priority: int,
+                   prepare: Prepare | None) -> int:
     """The child's side: prepare, wait for the payload (or EOF: cancelled), run the work."""
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the process that forked us
     if os.getppid() != parent:
         return 0
-    prepared = prepare((channel.fileno(), report_fd)) if prepare is not None else None
+    prepared = prepare((channel.fileno(), report_fd), priority) if prepare is not None else None
+    os.setpriority(os.PRIO_PROCESS, 0, priority)  # prepared: wake for the work at full priority
     chunks: list[bytes] = []
     fds: list[int] = []
     size = 0
@@ -107,6 +111,4 @@ def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: i
         if prepared is not None:
             prepared.cancel()
         return 0
-    # Forked by an idle worker at low priority; the work runs at the priority its worker has now.
-    os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, parent))
     return work(b"".join(chunks), fds, report_fd, prepared)

@@ -164,11 +164,11 @@ def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, pidfd: 
         raise ApplyError("ldconfig", " ".join(dirs), detail=f"{why}: {output.strip()[-500:]}")
 
 
-def fork_ldconfig_ahead(close: Sequence[int]) -> ChildAhead:
+def fork_ldconfig_ahead(close: Sequence[int], priority: int) -> ChildAhead:
     """The ldconfig child, forked before it is needed (by gpuhookd's apply child while idle)."""
     from gpuhook.apply.ahead import ChildAhead
 
-    return ChildAhead(_ldconfig_from_payload, close=close)
+    return ChildAhead(_ldconfig_from_payload, priority=priority, close=close)
 
 
 def _ldconfig_from_payload(payload: bytes, fds: list[int], out_fd: int, _: ChildAhead | None) -> int:

@@ -21,10 +21,12 @@ def run_daemon(socket_path: str, *, request_timeout: float, env: MutableMapping[
         raise ConfigError(f"--request-timeout must be positive, got {request_timeout:g}")
     listener = server.systemd_socket(env)
     where = "the socket systemd passed" if listener is not None else socket_path
-    if listener is None:
-        listener = server.bind_socket(socket_path)
     server.preload()
     server.prepare(env)
+    if listener is None:
+        # Bound once ready: until then a hook finds no socket and does the work itself at once,
+        # instead of waiting in the backlog for the imports (systemd's socket queues them).
+        listener = server.bind_socket(socket_path)
     os.chdir("/")
     server.say(f"serving on {where} (gpuhook {__version__}, pid {os.getpid()})")
     server.serve(listener, request_timeout=request_timeout)

@@ -93,7 +93,7 @@ def serve(listener: socket.socket, *, request_timeout: float, spares: int = SPAR
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
     # Forking and preparing spares happens while other workers serve containers: at the lowest
     # priority (nice 19, never starved as SCHED_IDLE could be), so it does not slow them down.
-    # A worker takes the daemon's own priority back once it has a connection.
+    # A prepared worker (and each child it forked ahead) takes the daemon's own priority back.
     normal = os.getpriority(os.PRIO_PROCESS, 0)
     os.setpriority(os.PRIO_PROCESS, 0, IDLE_NICE)
     waiting: dict[int, int] = {}  # read end of a worker's pipe -> its pid
@@ -135,9 +135,9 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int)
         # waits (a burst of container starts): serve it now.
         apply_child = None
         if not select.select([listener], [], [], 0)[0]:
-            apply_child = fork_apply_child(close=(listener.fileno(), write_fd))
+            apply_child = fork_apply_child(close=(listener.fileno(), write_fd), priority=priority)
+        os.setpriority(os.PRIO_PROCESS, 0, priority)  # prepared: wake for a request at full priority
         conn = _accept(listener)
-        os.setpriority(os.PRIO_PROCESS, 0, priority)
         linux.prctl(linux.PR_SET_PDEATHSIG, 0)
         listener.close()
         try:

@@ -60,24 +60,31 @@ def log_size(host: FakeHost) -> int:
 
 
 def test_spare_workers_wait_for_requests(daemon: Gpuhookd) -> None:
-    """Two forked workers wait in accept(), each with its apply child forked ahead, so no request
-    waits for a fork; a worker serves one request and is replaced."""
+    """Two forked workers wait in accept(); a worker serves one request and is replaced by one that
+    forks its apply child (and that child its ldconfig child) ahead, so no request waits for a fork.
+    (A worker forked while a connection is already queued serves at once, unprepared: a burst.)"""
 
     def family() -> dict[int, list[int]]:
-        """Each worker (a child of the daemon) and its children."""
+        """Each worker (a child of the daemon) and its descendants."""
         parents = {pid: _ppid(pid) for pid in daemon.processes()}
-        return {pid: [c for c, p in parents.items() if p == pid] for pid, p in parents.items()
-                if p == daemon.proc.pid}
+
+        def descendants(pid: int) -> list[int]:
+            kids = [c for c, p in parents.items() if p == pid]
+            return kids + [d for kid in kids for d in descendants(kid)]
+
+        return {pid: descendants(pid) for pid, p in parents.items() if p == daemon.proc.pid}
 
     deadline = time.monotonic() + 10
-    while len(before := family()) != 2 or any(len(kids) != 1 for kids in before.values()):
+    while len(before := family()) != 2:
         assert time.monotonic() < deadline, before
         time.sleep(0.05)
     client.ping(daemon.socket)
-    while len(after := family()) != 2 or after.keys() == before.keys() or any(len(k) != 1 for k in after.values()):
+    while len(after := family()) != 2 or not after.keys() - before.keys() or any(
+            len(after[new]) != 2 for new in after.keys() - before.keys()):
         assert time.monotonic() < deadline, (before, after)
         time.sleep(0.05)
-    assert len(before.keys() - after.keys()) == 1  # the worker that answered exited; a new one waits
+    assert len(before.keys() - after.keys()) == 1  # the worker that answered exited
+    assert len(after.keys() - before.keys()) == 1  # its replacement waits, apply and ldconfig children ready
 
 
 def _ppid(pid: int) -> int:
