@@ -137,7 +137,7 @@ def persistence_check(off: list[int]) -> Check:
 
 
 #: What a GPU container start costs without gpuhookd: the hook imports the GPU path itself.
-_IMPORT_COST = "Python's imports (about 80 ms)"
+_IMPORT_COST = "Python's imports (about 45 ms)"
 
 
 def gpuhookd_check(path: str, *, served: str | None, version: str, why: str = "") -> Check:
