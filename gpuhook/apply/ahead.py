@@ -36,8 +36,8 @@ MAX_FDS = 8
 class ChildAhead:
     """A forked child waiting for its work; ``start`` hands it over (once)."""
 
-    def __init__(self, work: Work, *, priority: int, close: Sequence[int] = (), prepare: Prepare | None = None,
-                 ) -> None:
+    def __init__(self, work: Work, *, priority: int, close: Sequence[int] = (),
+                 prepare: Prepare | None = None) -> None:
         """Fork now. The child closes *close* (its parent's fds it must not hold), runs
         ``prepare(its own fds to keep out, priority)`` (to fork its own child ahead), takes the nice
         value *priority* (it was forked by an idle process at the lowest), waits, then runs
@@ -53,6 +53,8 @@ class ChildAhead:
             status = 1
             try:
                 status = _wait_for_work(child_end, write_fd, work, parent, priority, prepare)
+            except BaseException as err:  # noqa: BLE001 - say why (the journal), never unwind into the forker
+                os.write(2, f"gpuhookd: a child forked ahead failed: {err!r}\n".encode())
             finally:
                 os._exit(status)
         child_end.close()
