@@ -226,7 +226,7 @@ def enter_mount_view(mnt_fd: int, root_fd: int) -> None:
     gpuhookd's workers take the hook's view of the host this way: every later path resolves
     as it would in the hook process.
     """
-    if _identity(os.fstat(mnt_fd)) != _identity(os.stat("/proc/self/ns/mnt")):
+    if not same_namespace(mnt_fd, "mnt"):
         setns(mnt_fd, CLONE_NEWNS)  # the kernel checks that the fd is a mount namespace
     os.fchdir(root_fd)
     os.chroot(".")

@@ -124,7 +124,6 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
             return run_daemon(args.socket, request_timeout=args.request_timeout, env=os.environ)
         case "doctor":
             from gpuhook.cli.doctor import run_doctor
-
             from gpuhook.daemon.wire import DEFAULT_SOCKET
 
             return run_doctor(config, debug, env, daemon_socket=args.daemon_socket or DEFAULT_SOCKET)
