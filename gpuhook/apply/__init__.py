@@ -86,7 +86,7 @@ def apply_plan(plan: Plan, container: ContainerRef, *, ldconfig: Path, timeout: 
         if plan.cgroup_rules:
             undo_cgroup = cgroups.grant(cgroups.locate_device_cgroup(container.pid), plan.cgroup_rules)
         try:
-            return _run_child(plan, pidfd, container, ldconfig, timeout, ahead, _shared_namespaces(container.pid))
+            return _run_child(plan, pidfd, container, ldconfig, timeout, ahead)
         except BaseException:
             if undo_cgroup is not None:
                 undo_cgroup()
@@ -128,19 +128,19 @@ def _open_container(pid: int) -> int:
 
 
 def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float,
-               ahead: ChildForkedAhead | None, shared: int) -> ApplyReport:
+               ahead: ChildForkedAhead | None) -> ApplyReport:
     """Fork (or hand the work to) the child that does the namespace work, and collect its report."""
     if ahead is not None:
         import pickle  # gpuhookd only (preloaded there)
 
-        payload = pickle.dumps((plan, container, ldconfig, timeout, shared))
+        payload = pickle.dumps((plan, container, ldconfig, timeout))
         child, read_fd = ahead.child.start(payload, (pidfd, ahead.mount_ns_fd, ahead.root_fd))
     else:
         read_fd, write_fd = os.pipe()
         child = os.fork()
         if child == 0:  # pragma: no cover - runs in the forked child; exercised by the runc tests
             os.close(read_fd)
-            os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, shared, write_fd))
+            os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, write_fd))
         os.close(write_fd)
     result = wait_child(child, read_fd, timeout, await_exit=False)  # the report is its last word
     if result.timed_out:
@@ -161,14 +161,14 @@ def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ah
     worker that forked it (same code, same trust), and fds: pidfd, the hook's mount namespace, root."""
     import pickle
 
-    plan, container, ldconfig, timeout, shared = pickle.loads(payload)
+    plan, container, ldconfig, timeout = pickle.loads(payload)
     pidfd, mount_ns_fd, root_fd = fds
-    return _child_main(plan, pidfd, container, ldconfig, timeout, shared, out_fd, view=(mount_ns_fd, root_fd),
+    return _child_main(plan, pidfd, container, ldconfig, timeout, out_fd, view=(mount_ns_fd, root_fd),
                        ldconfig_ahead=ldconfig_ahead)
 
 
 def _child_main(
-    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, shared: int, out_fd: int,
+    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, out_fd: int,
     view: tuple[int, int] | None = None, ldconfig_ahead: ChildAhead | None = None,
 ) -> int:
     """Body of the forked child; returns its exit status after writing the JSON report.
@@ -183,7 +183,7 @@ def _child_main(
             linux.enter_mount_view(*view)
             for fd in view:
                 os.close(fd)
-        skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, shared, ldconfig_ahead)
+        skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, ldconfig_ahead)
         report: dict[str, object] = {"skipped": skipped}
         status = 0
     except ApplyError as err:
@@ -201,8 +201,7 @@ def _child_main(
 
 
 def _apply_in_container(
-    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, shared: int,
-    ldconfig_ahead: ChildAhead | None,
+    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, ldconfig_ahead: ChildAhead | None,
 ) -> list[str]:
     """Open host sources, enter the container, make every change; undo all on failure."""
     os.umask(0)
@@ -210,6 +209,7 @@ def _apply_in_container(
     proc_binds = (*plan.proc_driver.gpu_dirs, *plan.proc_driver.cap_files) if plan.proc_driver else ()
     proc_trees = [_host_tree(BindMount(source=host_path, target="")) for host_path, _ in proc_binds]
     ldconfig_fd = open_ldconfig(ldconfig) if plan.ldconfig else None
+    shared = _shared_namespaces(container.pid)  # read in the hook's view, before entering the container
     linux.setns(pidfd, linux.CLONE_NEWNS)
     fs = RootFs(_open_rootfs(container))
     skipped: list[str] = []

@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
 
 from gpuhook import linux
+from gpuhook.daemon import wire
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class ChildAhead:
         if channel is None:
             raise RuntimeError("this child was already started or cancelled")
         try:
-            sent = channel.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_bytes(fds))])
+            sent = channel.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, wire.pack_fds(fds))])
             channel.sendall(payload[sent:])
         finally:
             channel.close()  # end of payload
@@ -82,10 +82,6 @@ class ChildAhead:
             self._channel = None
             os.close(self._report_fd)
             os.waitpid(self.pid, 0)
-
-
-def _fd_bytes(fds: Sequence[int]) -> bytes:
-    return b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
 
 
 def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: int, priority: int,
@@ -103,7 +99,7 @@ def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: i
         data, ancillary, _, _ = channel.recvmsg(1 << 20, socket.CMSG_SPACE(MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
         for level, kind, raw in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds += [int.from_bytes(raw[i : i + 4], sys.byteorder) for i in range(0, len(raw) - len(raw) % 4, 4)]
+                fds += wire.unpack_fds(raw)
         if not data:
             break
         chunks.append(data)

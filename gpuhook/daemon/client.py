@@ -13,7 +13,6 @@ meet its leftovers.
 from __future__ import annotations
 
 import os
-import sys
 
 import _socket
 
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 NAMESPACES = ("mnt", "cgroup", "pid", "user")
 #: Longer than the daemon's own per-request limit, so the daemon gives up (and rolls back) first.
 REPLY_TIMEOUT = 150.0
-_UCRED_SIZE = 12  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 
 
 class NotServed(Exception):  # noqa: N818 - an outcome, not a failure: the hook does the work itself
@@ -62,8 +60,7 @@ def exchange(path: str, request: bytes) -> tuple[bytes, int, str]:
             sock.connect(path)
         except OSError as err:  # ENOENT, ECONNREFUSED (stale socket), EACCES, ENOTSOCK, ...
             raise NotServed(f"no gpuhookd at {path} ({err.strerror})") from None
-        uid = int.from_bytes(sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _UCRED_SIZE)[4:8],
-                             sys.byteorder)
+        uid = wire.ucred_uid(sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, wire.UCRED_SIZE))
         if uid != 0:
             # /run is root's, but a --daemon-socket elsewhere could be anyone's: never hand our
             # namespaces to a process that is not root.
@@ -79,10 +76,9 @@ def _send(sock: _socket.socket, request: bytes) -> None:
     fds = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in NAMESPACES]
     try:
         fds.append(os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-        rights = b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
         sock.settimeout(REPLY_TIMEOUT)
         view = memoryview(request)
-        sent = sock.sendmsg([view], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
+        sent = sock.sendmsg([view], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, wire.pack_fds(fds))])
         while sent < len(view):
             sent += sock.send(view[sent:])
     except OSError as err:

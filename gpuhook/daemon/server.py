@@ -236,8 +236,7 @@ def _log_imports(modules: Sequence[str]) -> None:
 
 def _peer_uid(conn: socket.socket) -> int:
     """The connecting process's uid, from the kernel (SO_PEERCRED)."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-    return int.from_bytes(creds[4:8], sys.byteorder)
+    return wire.ucred_uid(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, wire.UCRED_SIZE))
 
 
 def _receive(conn: socket.socket) -> tuple[bytes, list[bytes], list[int]]:
@@ -246,8 +245,7 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[bytes], list[int]]:
     fds: list[int] = []
     for level, cmsg_type, payload in ancillary:
         if level == socket.SOL_SOCKET and cmsg_type == socket.SCM_RIGHTS:
-            usable = len(payload) - len(payload) % 4
-            fds += [int.from_bytes(payload[i : i + 4], sys.byteorder) for i in range(0, usable, 4)]
+            fds += wire.unpack_fds(payload)
     try:
         line, newline, body = data.partition(b"\n")
         while not newline:
