@@ -24,7 +24,7 @@ NOOP_STAGES = ("poststart", "poststop")
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The argument parser (built on demand, never for a plain hook call: see _hook_argv)."""
+    """The argument parser (built on demand, never for a plain hook call: see hook_argv)."""
     import argparse
 
     from gpuhook.daemon.wire import DEFAULT_SOCKET
@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the process exit status."""
     words = sys.argv[1:] if argv is None else list(argv)
-    args: Any = _hook_argv(words) or _parser().parse_args(words)
+    args: Any = hook_argv(words) or _parser().parse_args(words)
     try:
         if args.command in HOOK_STAGES:
             from gpuhook.cli.hook import run_hook
@@ -163,7 +163,7 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
             return inspect.run_info(config, debug, env, as_json=args.json, refresh=args.refresh)
 
 
-def _hook_argv(words: Sequence[str]) -> SimpleNamespace | None:
+def hook_argv(words: Sequence[str]) -> SimpleNamespace | None:
     """``[--config FILE] [--debug] STAGE`` for a hook or no-op stage, decoded by hand; else None.
 
     Runtimes run the hook for every container (with a hooks.d ``always`` rule, for

@@ -40,13 +40,25 @@ def read_bounded(stream: BinaryIO, *, limit: int, timeout: float = STDIN_TIMEOUT
     return b"".join(chunks)
 
 
-def read_config_json(bundle: str, *, limit: int) -> bytes:
-    """``<bundle>/config.json``: never through a symlink, never a FIFO, at most *limit* bytes."""
+def read_config_json(bundle: str, *, limit: int, root_fd: int | None = None) -> bytes:
+    """``<bundle>/config.json``: never through a symlink, never a FIFO, at most *limit* bytes.
+
+    *root_fd*: resolve *bundle* from this root instead of ours (gpuhookd, for gpuhook-relay: the
+    hook's root, passed as an fd). A lookup from an fd walks the mounts of the namespace that fd
+    belongs to, and RESOLVE_IN_ROOT keeps ``..`` and absolute symlinks inside it, so the bundle
+    is found exactly as the hook process itself would find it.
+    """
     path = f"{bundle}/config.json"
     if not bundle.startswith("/"):
         raise SpecError(f"the bundle {bundle!r} must be an absolute path")
     try:
-        bundle_fd = os.open(bundle, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        if root_fd is None:
+            bundle_fd = os.open(bundle, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        else:
+            from gpuhook import linux
+
+            bundle_fd = linux.openat2(root_fd, bundle.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY,
+                                      linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS)
         try:
             # O_NOFOLLOW: never a symlink to a host file; O_NONBLOCK: a FIFO cannot hang the open.
             fd = os.open("config.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=bundle_fd)

@@ -4,17 +4,21 @@ The parent imports the GPU path, then only forks workers; it never touches a con
 workers are kept waiting in accept(), each prepared at the lowest priority before a request
 arrives (a worker's replacement is forked once it has answered, so preparing it takes no CPU
 from the request): its apply child, with that child's ldconfig child, is already forked
-(``gpuhook.apply.ahead``). A worker serves one connection and exits:
+(``gpuhook.apply.ahead``). A worker answers connections until one asks for GPUs, serves that
+one and exits:
 
 1. reads one bounded request, with a deadline, and the fds the hook attached;
 2. checks the peer is root (SO_PEERCRED; the socket is also 0600 in a 0700 directory);
-3. declines (the hook then does the work itself) unless the hook runs the same gpuhook version
+3. for gpuhook-relay's raw hook calls, does what the hook does first (argv, environment
+   tripwire, state, config.json through the hook's root, the no-GPU check) and answers a
+   container that asks for no GPU at once, staying ready for the next connection;
+4. declines (the hook then does the work itself) unless the hook runs the same gpuhook version
    and shares the daemon's pid and user namespaces, since the OCI state's pid and the
    container's ids are numbers in those;
-4. enters the hook's mount and cgroup namespaces and its root, so every path (bundle, rootfs,
+5. enters the hook's mount and cgroup namespaces and its root, so every path (bundle, rootfs,
    driver root, config, log, cache) and the container's cgroup resolve exactly as they would
    in the hook process (a runtime in a private mount namespace works unchanged);
-5. runs the same ``inject`` as the in-process hook and replies with its exit status and message.
+6. runs the same ``inject`` as the in-process hook and replies with its exit status and message.
 
 A worker that outlives ``request_timeout`` is killed by SIGALRM; its own children die with it
 (PDEATHSIG), and the hook, seeing no reply, refuses the container.
@@ -33,6 +37,7 @@ import stat
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 
 from gpuhook import __version__, linux
 from gpuhook.apply import ChildForkedAhead, fork_apply_child
@@ -42,7 +47,7 @@ from gpuhook.errors import ConfigError, GpuHookError
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, MutableMapping, Sequence
-    from typing import NoReturn
+    from typing import Any, NoReturn
 
     from gpuhook.apply.ahead import ChildAhead
 
@@ -137,11 +142,10 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int)
         if not select.select([listener], [], [], 0)[0]:
             apply_child = fork_apply_child(close=(listener.fileno(), write_fd), priority=priority)
         os.setpriority(os.PRIO_PROCESS, 0, priority)  # prepared: wake for a request at full priority
-        conn = _accept(listener)
-        linux.prctl(linux.PR_SET_PDEATHSIG, 0)
+        conn, request = _answer_until_gpu_request(listener, daemon, request_timeout)
         listener.close()
         try:
-            handle(conn, apply_child, request_timeout=request_timeout)
+            serve_gpu_request(conn, request, apply_child)
         finally:
             # Now the daemon forks a replacement: preparing it while this request ran would take
             # CPU from it. A burst meanwhile goes to the other spare, or queues briefly.
@@ -155,6 +159,32 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int)
     os._exit(code)
 
 
+#: Requests a worker answers without entering a hook's view (no GPU asked, pings, declines) before
+#: it retires anyway: it runs with the collector off, so whatever cycles a request leaves stay.
+ANSWERS_PER_WORKER = 256
+
+
+def _answer_until_gpu_request(listener: socket.socket, daemon: int,
+                              request_timeout: float) -> tuple[socket.socket, GpuRequest]:
+    """Accept connections and answer those that need no GPU work; return the first that does.
+
+    A container that asks for no GPU (gpuhook-relay leaves that check to the daemon) changes
+    nothing in the worker, so the same prepared worker waits for the next connection: most
+    container starts on a hooks.d ``always`` host cost the daemon no fork at all.
+    """
+    for _ in range(ANSWERS_PER_WORKER):
+        conn = _accept(listener)
+        linux.prctl(linux.PR_SET_PDEATHSIG, 0)  # the daemon's end no longer ends this request
+        request = handle(conn, request_timeout=request_timeout)
+        if request is not None:
+            return conn, request
+        conn.close()
+        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != daemon:
+            os._exit(0)
+    os._exit(0)  # retired: the daemon sees the pipe's EOF and forks a fresh one
+
+
 def _accept(listener: socket.socket) -> socket.socket:
     """The next connection; transient errors (EMFILE, ENOBUFS, ...) are reported and retried."""
     while True:
@@ -165,8 +195,27 @@ def _accept(listener: socket.socket) -> socket.socket:
             time.sleep(0.1)
 
 
-def handle(conn: socket.socket, apply_child: ChildAhead | None, *, request_timeout: float) -> None:
-    """Serve one connection (in the worker child)."""
+@dataclass(frozen=True, slots=True)
+class GpuRequest:
+    """A request that asks for GPUs: the hook's inputs, decoded, and the fds of its view."""
+
+    fds: list[int]  # the hook's mnt, cgroup, pid and user namespaces, and its root
+    config: str | None
+    debug: bool
+    env: dict[str, str]
+    state: Mapping[str, Any]
+    spec: Mapping[str, Any]
+
+
+Reply = tuple[bytes, int, str]
+
+
+def handle(conn: socket.socket, *, request_timeout: float) -> GpuRequest | None:
+    """Answer *conn* unless its request needs GPU work in the hook's view; then return that work.
+
+    Runs in the worker, in the daemon's own view: nothing here enters a namespace or changes
+    the worker, so after an answer it can take the next connection.
+    """
     signal.alarm(max(1, int(request_timeout)))
     conn.settimeout(READ_TIMEOUT)
     # The whole request is read before any reply, even one refusing it: closing a unix socket with
@@ -174,49 +223,99 @@ def handle(conn: socket.socket, apply_child: ChildAhead | None, *, request_timeo
     try:
         kind, parts, fds = _receive(conn)
     except (OSError, wire.WireError) as err:  # nothing was done: the hook may do it itself
-        conn.sendall(wire.encode_reply(b"declined", 0, f"unreadable request: {err}"))
-        return
-    try:
-        uid = _peer_uid(conn)
-        if uid != 0:  # the socket is 0600 in a 0700 directory; this is the check that does not depend on it
-            conn.sendall(wire.encode_reply(b"declined", 0, f"peer uid {uid} is not root"))
-            return
-        if kind == b"ping":
-            conn.sendall(wire.encode_reply(b"pong", 0, __version__))
-            return
+        reply: Reply | GpuRequest = (b"declined", 0, f"unreadable request: {err}")
+    else:
         try:
-            version, config, debug, env, state, spec = wire.decode_hook_parts(parts)
-        except wire.WireError as err:
-            conn.sendall(wire.encode_reply(b"declined", 0, f"unreadable request: {err}"))
-            return
-        reason = _enter_client_view(fds) if version == __version__ else (
-            f"gpuhookd runs gpuhook {__version__}, the hook {version} (restart gpuhookd after an upgrade)")
+            uid = _peer_uid(conn)
+            # The socket is 0600 in a 0700 directory; this is the check that does not depend on it.
+            reply = _triage(kind, parts, fds) if uid == 0 else (b"declined", 0, f"peer uid {uid} is not root")
+        finally:
+            if not isinstance(reply, GpuRequest):
+                _close_all(fds)
+    if isinstance(reply, GpuRequest):
+        return reply
+    conn.sendall(wire.encode_reply(*reply))
+    signal.alarm(0)
+    return None
+
+
+def _triage(kind: bytes, parts: list[bytes], fds: list[int]) -> Reply | GpuRequest:  # noqa: PLR0911 - one per outcome
+    """The reply to a request that needs no GPU work, or the decoded GPU request.
+
+    A ``hook`` request comes from the Python hook, which read config.json and saw a GPU asked
+    for. A ``relay`` request is gpuhook-relay's raw hook call (argv, environment, stdin): here
+    it gets what the in-process hook does first, with the same functions: the argv, the
+    environment tripwire, the state, config.json read through the hook's root, the no-GPU check.
+    """
+    from gpuhook.cli import NOOP_STAGES, describe_failure, hook_argv
+    from gpuhook.cli.hook import STATE_WHAT
+    from gpuhook.cli.hygiene import check_environment
+    from gpuhook.cli.inputs import read_config_json
+    from gpuhook.oci import strictjson
+    from gpuhook.request.quick import asks_for_gpu
+
+    if kind == b"ping":
+        return b"pong", 0, __version__
+    try:
+        if kind == b"hook":
+            version, config, debug, env, state_bytes, spec_bytes = wire.decode_hook_parts(parts)
+        else:
+            version, argv, env, state_bytes = wire.decode_relay_parts(parts)
+            spec_bytes = b""
+    except wire.WireError as err:
+        return b"declined", 0, f"unreadable request: {err}"
+    if version != __version__:
+        return (b"declined", 0,
+                f"gpuhookd runs gpuhook {__version__}, the hook {version} (restart gpuhookd after an upgrade)")
+    if kind == b"relay":
+        args = hook_argv(argv[1:])
+        if args is None:  # --help, another command, a mistake: gpuhook's own CLI answers those
+            return b"declined", 0, f"not a hook call: {' '.join(argv[1:])[:200]}"
+        if args.command in NOOP_STAGES:
+            return b"done", 0, ""
+        config, debug = args.config, args.debug
+    try:
+        if kind == b"relay":
+            check_environment(env)
+        state = strictjson.loads_object(state_bytes, what=STATE_WHAT, limit=strictjson.STATE_LIMIT)
+        bundle = strictjson.get_str(state, "bundle" if "bundle" in state else "bundlePath", what=STATE_WHAT)
+        if kind == b"relay":
+            spec_bytes = read_config_json(bundle, limit=strictjson.SPEC_LIMIT, root_fd=fds[4])
+        spec = strictjson.loads_object(spec_bytes, what=f"{bundle}/config.json", limit=strictjson.SPEC_LIMIT)
+    except GpuHookError as err:
+        return b"done", 1, describe_failure(err) + "\n"
+    if kind == b"relay" and not asks_for_gpu(spec):
+        return b"done", 0, ""
+    return GpuRequest(fds, config, debug, env, state, spec)
+
+
+def serve_gpu_request(conn: socket.socket, request: GpuRequest, apply_child: ChildAhead | None) -> None:
+    """Enter the hook's view, run the request as the in-process hook would, answer."""
+    try:
+        reason = _enter_client_view(request.fds)
         if reason:
             conn.sendall(wire.encode_reply(b"declined", 0, reason))
             return
         # The apply child was forked in the daemon's view: it takes the hook's mount namespace and root.
-        ahead = ChildForkedAhead(apply_child, mount_ns_fd=fds[0], root_fd=fds[4]) if apply_child else None
-        status, message = run_request(config, debug, env, state, spec, ahead)
+        ahead = (ChildForkedAhead(apply_child, mount_ns_fd=request.fds[0], root_fd=request.fds[4])
+                 if apply_child else None)
+        status, message = run_request(request.config, request.debug, request.env, request.state, request.spec,
+                                      ahead)
     finally:
-        for fd in fds:
-            os.close(fd)
+        _close_all(request.fds)
     conn.sendall(wire.encode_reply(b"done", status, message))
 
 
-def run_request(config: str | None, debug: bool, env: dict[str, str], state: bytes, spec: bytes,
+def run_request(config: str | None, debug: bool, env: dict[str, str], state: Mapping[str, Any],
+                spec: Mapping[str, Any],
                 ahead: ChildForkedAhead | None = None) -> tuple[int, str]:
     """What the in-process hook would do with these inputs: (exit status, stderr text)."""
     from gpuhook.cli import describe_failure
-    from gpuhook.cli.hook import STATE_WHAT
     from gpuhook.cli.inject import inject
-    from gpuhook.oci import strictjson
 
     before = set(sys.modules)
     try:
-        state_obj = strictjson.loads_object(state, what=STATE_WHAT, limit=strictjson.STATE_LIMIT)
-        bundle = strictjson.get_str(state_obj, "bundle" if "bundle" in state_obj else "bundlePath", what=STATE_WHAT)
-        spec_obj = strictjson.loads_object(spec, what=f"{bundle}/config.json", limit=strictjson.SPEC_LIMIT)
-        inject(config, debug, env, state_obj, spec_obj, served_by="gpuhookd", ahead=ahead)
+        inject(config, debug, env, state, spec, served_by="gpuhookd", ahead=ahead)
     except GpuHookError as err:
         return 1, describe_failure(err) + "\n"
     except Exception:  # noqa: BLE001 - a bug: the hook shows the traceback, as it would in-process
@@ -266,13 +365,17 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[bytes], list[int]]:
         body = b"".join(chunks)
         if size != total:
             raise wire.WireError(f"request has {size - total} bytes past its end")
-        if kind == b"hook" and len(fds) != _FDS:
-            raise wire.WireError(f"a hook request carries {_FDS} fds, this one {len(fds)}")
+        if kind != b"ping" and len(fds) != _FDS:
+            raise wire.WireError(f"a {kind.decode()} request carries {_FDS} fds, this one {len(fds)}")
     except BaseException:
-        for fd in fds:
-            os.close(fd)
+        _close_all(fds)
         raise
     return kind, wire.split_parts(body, sizes), fds
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _enter_client_view(fds: Sequence[int]) -> str:

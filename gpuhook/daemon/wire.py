@@ -3,7 +3,10 @@
 Request: ``gpuhookd/1 KIND N1 N2 ...\\n`` then the parts, N1 bytes, N2 bytes, ... back to back.
 Reply: ``gpuhookd/1 VERDICT STATUS N\\n`` then N bytes of message for the hook's stderr.
 
-Kinds: ``hook`` (parts: version, config, debug, env, state, spec) and ``ping`` (parts: version).
+Kinds: ``hook`` (parts: version, config, debug, env, state, spec) from the Python hook, which has
+read config.json and found a GPU request; ``relay`` (parts: version, argv, env, state) from
+gpuhook-relay (relay/gpuhook-relay.c), which parses nothing and leaves even the no-GPU check to the
+daemon; and ``ping`` (parts: version). ``hook`` and ``relay`` carry five fds (see ``client.NAMESPACES``).
 Verdicts: ``done`` (the request ran; STATUS is the hook's exit status), ``declined`` (the daemon
 cannot serve it: the hook does the work itself; the message says why) and ``pong``.
 
@@ -27,7 +30,8 @@ HEADER_LIMIT = 256
 REQUEST_LIMIT = (1 << 20) + (8 << 20) + (1 << 20)
 REPLY_LIMIT = 1 << 16
 HOOK_PARTS = ("version", "config", "debug", "env", "state", "spec")
-KINDS = {b"hook": len(HOOK_PARTS), b"ping": 1}
+RELAY_PARTS = ("version", "argv", "env", "state")
+KINDS = {b"hook": len(HOOK_PARTS), b"relay": len(RELAY_PARTS), b"ping": 1}
 VERDICTS = (b"done", b"declined", b"pong")
 
 
@@ -74,16 +78,28 @@ def split_parts(body: bytes, sizes: Sequence[int]) -> list[bytes]:
 def decode_hook_parts(parts: Sequence[bytes]) -> tuple[str, str | None, bool, dict[str, str], bytes, bytes]:
     """(version, config, debug, env, state, spec) of a ``hook`` request; raises WireError."""
     version, config, debug, env, state, spec = parts
+    if config and not config.startswith(b"="):
+        raise WireError("malformed config part")
+    return (version.decode("ascii", "replace"), config[1:].decode("utf-8", "surrogateescape") if config else None,
+            debug == b"1", _decode_env(env), state, spec)
+
+
+def decode_relay_parts(parts: Sequence[bytes]) -> tuple[str, list[str], dict[str, str], bytes]:
+    """(version, argv, env, state) of a ``relay`` request; raises WireError."""
+    version, argv, env, state = parts
+    words = argv.decode("utf-8", "surrogateescape").split("\0")
+    return version.decode("ascii", "replace"), words, _decode_env(env), state
+
+
+def _decode_env(env: bytes) -> dict[str, str]:
+    """``KEY=VALUE`` entries joined by NULs (an environ block) as a dict."""
     pairs = {}
     for entry in env.split(b"\0") if env else ():
         key, sep, value = entry.decode("utf-8", "surrogateescape").partition("=")
         if not sep or not key:
             raise WireError(f"environment entry without KEY=: {entry[:64]!r}")
         pairs[key] = value
-    if config and not config.startswith(b"="):
-        raise WireError("malformed config part")
-    return (version.decode("ascii", "replace"), config[1:].decode("utf-8", "surrogateescape") if config else None,
-            debug == b"1", pairs, state, spec)
+    return pairs
 
 
 def encode_reply(verdict: bytes, status: int, message: str) -> bytes:

@@ -59,10 +59,11 @@ def log_size(host: FakeHost) -> int:
     return log.stat().st_size if log.exists() else 0
 
 
-def test_spare_workers_wait_for_requests(daemon: Gpuhookd) -> None:
-    """Two forked workers wait in accept(); a worker serves one request and is replaced by one that
-    forks its apply child (and that child its ldconfig child) ahead, so no request waits for a fork.
-    (A worker forked while a connection is already queued serves at once, unprepared: a burst.)"""
+def test_spare_workers_wait_for_requests(make_container: MakeContainer, host: FakeHost, daemon: Gpuhookd) -> None:
+    """Two forked workers wait in accept(). A request that needs no GPU work (a ping) leaves them as
+    they are; a GPU request ends its worker, whose replacement forks its apply child (and that child
+    its ldconfig child) ahead, so no request waits for a fork. (A worker forked while a connection
+    is already queued serves at once, unprepared: a burst.)"""
 
     def family() -> dict[int, list[int]]:
         """Each worker (a child of the daemon) and its descendants."""
@@ -75,15 +76,19 @@ def test_spare_workers_wait_for_requests(daemon: Gpuhookd) -> None:
         return {pid: descendants(pid) for pid, p in parents.items() if p == daemon.proc.pid}
 
     deadline = time.monotonic() + 10
-    while len(before := family()) != 2:
+    while len(before := family()) != 2 or any(len(kids) != 2 for kids in before.values()):
         assert time.monotonic() < deadline, before
         time.sleep(0.05)
-    client.ping(daemon.socket)
+    for _ in range(3):
+        client.ping(daemon.socket)
+    assert family() == before  # answered by a waiting worker, which still waits
+    hook = hook_entry(host.config_path, "--daemon-socket", daemon.socket, "prestart")
+    assert make_container("true", TWO_GPUS, hook=hook).run().returncode == 0
     while len(after := family()) != 2 or not after.keys() - before.keys() or any(
             len(after[new]) != 2 for new in after.keys() - before.keys()):
         assert time.monotonic() < deadline, (before, after)
         time.sleep(0.05)
-    assert len(before.keys() - after.keys()) == 1  # the worker that answered exited
+    assert len(before.keys() - after.keys()) == 1  # the worker that served the GPUs exited
     assert len(after.keys() - before.keys()) == 1  # its replacement waits, apply and ldconfig children ready
 
 
@@ -151,7 +156,8 @@ def test_other_pid_namespace_is_declined(daemon: Gpuhookd) -> None:
     """A hook in another pid namespace names the container by a pid the daemon cannot use: declined,
     so that hook works in-process."""
     code = ("import sys\nfrom gpuhook.daemon import client\n"
-            "try:\n    client.call_daemon(sys.argv[1], config=None, debug=False, env={}, state=b'{}', spec=b'{}')\n"
+            "try:\n    client.call_daemon(sys.argv[1], config=None, debug=False, env={}, state=b'{\"bundle\": \"/b\"}',\n"
+            "                       spec=b'{}')\n"
             "except client.NotServed as why:\n    print(why)\n")
     out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-I", "-c", code,
                           daemon.socket], capture_output=True, text=True, check=True, cwd="/")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuhook.cli import _hook_argv, _parser
+from gpuhook.cli import hook_argv, _parser
 
 REPO = Path(__file__).parents[2]
 #: Everything the no-GPU path may import beyond the interpreter's own start-up: the C JSON scanner, select,
@@ -35,7 +35,7 @@ ALLOWED = {"__future__", "types", "_json", "select", "gpuhook", "gpuhook.cli",
 )
 def test_hook_argv_agrees_with_argparse(argv: list[str]) -> None:
     """The hand decoder gives exactly what argparse gives for the argv shapes runtimes send."""
-    fast = _hook_argv(argv)
+    fast = hook_argv(argv)
     slow = _parser().parse_args(argv)
     assert fast is not None
     assert (fast.command, fast.config, fast.debug) == (slow.command, slow.config, slow.debug)
@@ -57,7 +57,7 @@ def test_hook_argv_agrees_with_argparse(argv: list[str]) -> None:
 )
 def test_anything_else_goes_to_argparse(argv: list[str]) -> None:
     """Help, version, other commands and mistakes are left to argparse (usage text, exit 2)."""
-    assert _hook_argv(argv) is None
+    assert hook_argv(argv) is None
 
 
 def test_no_gpu_start_loads_nothing_heavy(tmp_path: Path) -> None:
