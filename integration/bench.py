@@ -56,6 +56,7 @@ from typing import Any
 from integration.engines import default_spec, require_tool, run_container, unique_id, write_bundle
 from integration.fakehost import FakeHost, create_host
 from integration.gpuhookd import Gpuhookd
+from integration.relay import install_relay
 from integration.rootfs import build_rootfs, copy_rootfs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,8 +95,8 @@ class Scenario:
     title: str
     host: FakeHost | None = None
     env: tuple[str, ...] = ()
-    #: the hook's argv after the interpreter (None: no hook)
-    hook_args: tuple[str, ...] | None = None
+    #: the hook's argv, program first (None: no hook)
+    hook_argv: tuple[str, ...] | None = None
     #: devices and mounts written into config.json (the static floor)
     static: dict[str, Any] | None = None
     #: with a valid cache NVML must not be called
@@ -163,11 +164,11 @@ def static_floor(python: Path, config: Path, env: Sequence[str], rootfs_src: Pat
     }
 
 
-def make_spec(scenario: Scenario, python: Path, wrapper: tuple[str, ...] = ()) -> dict[str, Any]:
+def make_spec(scenario: Scenario, wrapper: tuple[str, ...] = ()) -> dict[str, Any]:
     """config.json for one run of *scenario* (*wrapper*: argv that starts the hook instrumented)."""
     hooks = None
-    if scenario.hook_args is not None:
-        args = [*wrapper, str(python), *scenario.hook_args]
+    if scenario.hook_argv is not None:
+        args = [*wrapper, *scenario.hook_argv]
         hooks = {"prestart": [{"path": args[0], "args": args, "env": HOOK_ENV}]}
     spec = default_spec("rootfs", ["/bin/true"], list(scenario.env), hooks=hooks, annotations={})
     if scenario.static is not None:
@@ -177,11 +178,12 @@ def make_spec(scenario: Scenario, python: Path, wrapper: tuple[str, ...] = ()) -
     return spec
 
 
-def make_scenarios(python: Path, rootfs_src: Path, work: Path, daemon_socket: str) -> list[Scenario]:
+def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path, daemon_socket: str) -> list[Scenario]:
     """Hosts with 1, 8 and 64 GPUs (built once) and every scenario on them.
 
-    GPU scenarios hand the work to gpuhookd (as installed: the package enables its socket), except
-    the in-process reference, which is what every start costs without the daemon.
+    The hook is registered as the packages register it: gpuhook-relay, served by gpuhookd (the
+    package enables its socket). References: the Python hook (packaging/gpuhook-hook) with and
+    without gpuhookd, what starts cost where the relay or the daemon is not used.
     """
     hosts = {n: create_host(work / f"host{n}", gpus=n) for n in (1, 8, 64)}
     configs = work / "configs"
@@ -189,27 +191,35 @@ def make_scenarios(python: Path, rootfs_src: Path, work: Path, daemon_socket: st
     cfg = {n: write_config(configs / f"host{n}.yaml", h, cache=True) for n, h in hosts.items()}
     no_cache = write_config(configs / "host8-nocache.yaml", hosts[8], cache=False)
 
-    def hook(config: Path, socket: str = daemon_socket) -> tuple[str, ...]:
+    def hook(config: Path) -> tuple[str, ...]:
+        return (str(relay), "--config", str(config), "--daemon-socket", daemon_socket, "prestart")
+
+    def python_hook(config: Path, socket: str = daemon_socket) -> tuple[str, ...]:
         # What the kernel runs for packaging/gpuhook-hook (its shebang is `python -I`).
-        return ("-I", str(LAUNCHER), "--config", str(config), "--daemon-socket", socket, "prestart")
+        return (str(python), "-I", str(LAUNCHER), "--config", str(config), "--daemon-socket", socket, "prestart")
 
     def gpus(caps: str) -> tuple[str, ...]:
         return ("NVIDIA_VISIBLE_DEVICES=all", f"NVIDIA_DRIVER_CAPABILITIES={caps}")
 
     return [
         Scenario("bare", "bare runc (no hook)"),
-        Scenario("python-floor", "hook = `python -I -c pass` (interpreter floor)", hook_args=("-I", "-c", "pass")),
-        Scenario("no-gpu", "hook, container asks for no GPU", hosts[8], hook_args=hook(cfg[8])),
+        Scenario("no-gpu", "hook, container asks for no GPU", hosts[8], hook_argv=hook(cfg[8])),
         Scenario("gpu1", "hook, 1 GPU, compute,utility", hosts[1], gpus(COMPUTE), hook(cfg[1]), cached=True),
         Scenario("gpu8", "hook, 8 GPUs, compute,utility", hosts[8], gpus(COMPUTE), hook(cfg[8]), cached=True),
         Scenario("gpu64", "hook, 64 GPUs, compute,utility", hosts[64], gpus(COMPUTE), hook(cfg[64]), cached=True),
         Scenario("gpu8-all", "hook, 8 GPUs, all capabilities", hosts[8], gpus("all"), hook(cfg[8]), cached=True),
         Scenario("gpu8-nocache", "hook, 8 GPUs, compute,utility, cache off (NVML every start)", hosts[8],
                  gpus(COMPUTE), hook(no_cache)),
-        Scenario("gpu8-nodaemon", "hook without gpuhookd, 8 GPUs, compute,utility (in-process)", hosts[8],
-                 gpus(COMPUTE), hook(cfg[8], "none"), cached=True),
         Scenario("static8", "static floor: 8 GPUs' devices + mounts in config.json, no hook", hosts[8],
                  static=static_floor(python, cfg[8], gpus(COMPUTE), rootfs_src, work)),
+        Scenario("python-floor", "reference: hook = `python -I -c pass` (interpreter floor)",
+                 hook_argv=(str(python), "-I", "-c", "pass")),
+        Scenario("no-gpu-python", "reference: Python hook, no GPU (no daemon involved)", hosts[8],
+                 hook_argv=python_hook(cfg[8])),
+        Scenario("gpu8-python", "reference: Python hook through gpuhookd, 8 GPUs", hosts[8], gpus(COMPUTE),
+                 python_hook(cfg[8]), cached=True),
+        Scenario("gpu8-nodaemon", "reference: Python hook without gpuhookd, 8 GPUs (in-process)", hosts[8],
+                 gpus(COMPUTE), python_hook(cfg[8], "none"), cached=True),
     ]
 
 
@@ -258,7 +268,7 @@ def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work:
             ) -> dict[str, Samples]:
     """Warm-up round, *runs* interleaved timed rounds, then the instrumented hook runs."""
     samples = {s.name: Samples() for s in scenarios}
-    specs = {s.name: make_spec(s, python) for s in scenarios}
+    specs = {s.name: make_spec(s) for s in scenarios}
     bundle = work / "bundle"
     for round_no in range(runs + 1):
         # Round-robin, starting one scenario later each round, so none always follows the same one.
@@ -274,12 +284,12 @@ def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work:
     wrapper_py = work / "hookstat.py"
     wrapper_py.write_text(_WRAPPER)
     for scenario in scenarios:
-        if scenario.hook_args is None:
+        if scenario.hook_argv is None:
             continue
         record = work / f"hookstat-{scenario.name}.jsonl"
         wrapper = (str(python), "-I", "-S", str(wrapper_py), str(record))
         for _ in range(INSTRUMENTED_RUNS):
-            run_once(scenario, make_spec(scenario, python, wrapper), rootfs_src, bundle)
+            run_once(scenario, make_spec(scenario, wrapper), rootfs_src, bundle)
         for line in record.read_text().splitlines():
             stat = json.loads(line)
             samples[scenario.name].hook_ms.append(stat["wall_ms"])
@@ -413,9 +423,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("setting up: rootfs, hook install, simulated hosts with 1, 8 and 64 GPUs", file=sys.stderr)
     rootfs_src = build_rootfs(REPO / ".cache" / "rootfs")
     python = install_hook(WORK / "venv")
+    relay = install_relay(python.parent, python)
     daemon = Gpuhookd(python, WORK / "gpuhookd")  # as systemd's gpuhookd.socket would start it
     try:
-        scenarios = make_scenarios(python, rootfs_src, WORK, daemon.socket)
+        scenarios = make_scenarios(python, relay, rootfs_src, WORK, daemon.socket)
         print(f"running {len(scenarios)} scenarios × {args.runs} runs, interleaved", file=sys.stderr)
         samples = measure(scenarios, python, rootfs_src, WORK, args.runs)
     finally:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from integration.fakehost import FakeHost, create_host
+from integration.relay import install_relay
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +20,9 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> FakeHost:
             break
         path.chmod(0o755)
     return create_host(parent / "host", gpus=4)
+
+
+@pytest.fixture(scope="session")
+def relay(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpuhook-relay, built from relay/gpuhook-relay.c, beside the ``gpuhook`` launcher it falls back to."""
+    return install_relay(tmp_path_factory.mktemp("relay") / "bin", sys.executable)

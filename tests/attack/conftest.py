@@ -17,7 +17,7 @@ from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
 from integration.rootfs import build_rootfs
 
-from .rig import HERE, Rig, plain_spec_rules
+from .rig import HERE, Rig, Via, plain_spec_rules
 
 REPO = HERE.parents[1]
 PROGS = HERE / "progs"
@@ -42,10 +42,13 @@ def default_rules(tmp_path_factory: pytest.TempPathFactory, rootfs_src: Path) ->
     return plain_spec_rules(tmp_path_factory.mktemp("baseline"), rootfs_src)
 
 
-#: Every attack runs twice: against the hook doing the work itself, and against gpuhookd doing it
-#: for the hook (another process, forked ahead, entering the hook's view). An older revision under
-#: test (GPUHOOK_ATTACK_SOURCE) predates gpuhookd.
-MODES = ["hook"] if os.environ.get("GPUHOOK_ATTACK_SOURCE") else ["hook", "gpuhookd"]
+#: Every attack runs three times: against the Python hook doing the work itself, against gpuhookd
+#: doing it for the Python hook (another process, forked ahead, entering the hook's view), and
+#: against gpuhook-relay handing the whole call to gpuhookd (which then also reads config.json,
+#: through the hook's root). An older revision under test (GPUHOOK_ATTACK_SOURCE) predates both.
+MODES = ["hook"] if os.environ.get("GPUHOOK_ATTACK_SOURCE") else ["hook", "gpuhookd", "relay"]
+#: What each mode's log events must say served them.
+SERVED_BY = {"hook": "hook", "gpuhookd": "gpuhookd", "relay": "gpuhookd"}
 
 
 @pytest.fixture(scope="session")
@@ -61,18 +64,19 @@ def gpuhookd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gpuhookd]:
 def rig(request: pytest.FixtureRequest, tmp_path: Path, host: FakeHost, rootfs_src: Path,
         default_rules: frozenset[str]) -> Iterator[Rig]:
     """A per-test attack rig on the simulated 4-GPU host; stray processes left in its tree are killed after."""
-    socket = request.getfixturevalue("gpuhookd").socket if request.param == "gpuhookd" else "none"
-    rig = Rig(tmp_path, host, rootfs_src, default_rules, daemon_socket=socket)
+    mode = request.param
+    socket = "none" if mode == "hook" else request.getfixturevalue("gpuhookd").socket
+    via = Via(socket, request.getfixturevalue("relay") if mode == "relay" else None)
+    rig = Rig(tmp_path, host, rootfs_src, default_rules, via=via)
     log = host.root / "gpuhook.log"
     offset = log.stat().st_size if log.exists() else 0
     yield rig
     rig.kill_leftovers()
     # Whatever the hooks logged came from the pass's own mode: gpuhookd never declined and left the
-    # work to the hook, and the hook pass never reached a daemon.
-    with log.open("rb") as handle:
-        handle.seek(offset)
-        served = {json.loads(line).get("served_by") for line in handle.read().splitlines()} - {None}
-    assert served <= {request.param}, served
+    # work to the (Python) hook, and the hook pass never reached a daemon.
+    lines = log.read_bytes()[offset:].splitlines() if log.exists() else []
+    served = {json.loads(line).get("served_by") for line in lines} - {None}
+    assert served <= {SERVED_BY[mode]}, served
 
 
 @pytest.fixture

@@ -201,17 +201,32 @@ class Container:
     spec: dict[str, Any]
 
 
-def hook_command(config: Path, stage: str = "prestart", *, daemon_socket: str = "none") -> list[str]:
+@dataclass(frozen=True, slots=True)
+class Via:
+    """How a rig's hooks reach gpuhook: the Python hook working in-process (socket ``none``), the
+    Python hook handing GPU work to gpuhookd at *socket*, or gpuhook-relay (*relay*) handing the
+    whole call to gpuhookd at *socket*."""
+
+    socket: str = "none"
+    relay: Path | None = None
+
+
+IN_PROCESS: Final = Via()
+
+
+def hook_command(config: Path, stage: str = "prestart", *, via: Via = IN_PROCESS) -> list[str]:
     """The argv that runs gpuhook: ``python -I -m gpuhook --config CONFIG --daemon-socket SOCKET STAGE``
-    (``none``: the hook does the work itself; else gpuhookd at that socket does).
+    or ``gpuhook-relay --config CONFIG --daemon-socket SOCKET STAGE`` (see Via).
 
     ``GPUHOOK_ATTACK_SOURCE=<dir>`` runs the gpuhook package found in *dir* instead (for example an
     older revision from ``git archive``, in-process only), to show which attacks a given revision
     loses; add ``GPUHOOK_ATTACK_DROP_KEYS=key,...`` for config settings that revision does not know.
     """
     source = os.environ.get("GPUHOOK_ATTACK_SOURCE")
+    if via.relay is not None:
+        return [os.fspath(via.relay), "--config", os.fspath(config), "--daemon-socket", via.socket, stage]
     if not source:
-        return [PYTHON, "-I", "-m", "gpuhook", "--config", os.fspath(config), "--daemon-socket", daemon_socket, stage]
+        return [PYTHON, "-I", "-m", "gpuhook", "--config", os.fspath(config), "--daemon-socket", via.socket, stage]
     boot = ("import sys, runpy; "
             "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')]; "
             f"sys.path.insert(0, {source!r}); runpy.run_module('gpuhook', run_name='__main__')")
@@ -219,11 +234,12 @@ def hook_command(config: Path, stage: str = "prestart", *, daemon_socket: str = 
 
 
 def hook_entry(config: Path, *, env: Iterable[str] = HOOK_ENV, wrapper: Iterable[str] = (),
-               daemon_socket: str = "none") -> dict[str, Any]:
-    """gpuhook registered as it should be (absolute interpreter, -I, explicit env), optionally behind *wrapper*."""
-    hook = hook_command(config, daemon_socket=daemon_socket)
-    argv = [PYTHON, "-I", *wrapper, "--", *hook] if wrapper else hook
-    return {"path": PYTHON, "args": argv, "env": list(env)}
+               via: Via = IN_PROCESS) -> dict[str, Any]:
+    """gpuhook registered as it should be (absolute path, -I, explicit env), optionally behind *wrapper*."""
+    hook = hook_command(config, via=via)
+    if wrapper:
+        return {"path": PYTHON, "args": [PYTHON, "-I", *wrapper, "--", *hook], "env": list(env)}
+    return {"path": hook[0], "args": hook, "env": list(env)}
 
 
 def _wrap(script: str) -> list[str]:
@@ -241,10 +257,10 @@ class Rig:
     """Builds hostile bundles in one test's tmp tree and runs them under the oracles."""
 
     def __init__(self, tmp: Path, host: FakeHost, rootfs_src: Path, default_rules: frozenset[str], *,
-                 daemon_socket: str = "none") -> None:
+                 via: Via = IN_PROCESS) -> None:
         self.tmp = tmp
-        #: where this rig's hooks hand their work to gpuhookd ("none": they do it in-process)
-        self.daemon_socket = daemon_socket
+        #: how this rig's hooks reach gpuhook (in-process, through gpuhookd, through gpuhook-relay)
+        self.via = via
         self.host = host
         self.rootfs_src = rootfs_src
         self.default_rules = default_rules
@@ -316,7 +332,7 @@ class Rig:
             hooks={"prestart": [
                 *([{"path": "/bin/sh", "args": ["sh", "-ec", pre_hook], "env": [*HOOK_ENV, f"R={rootfs}"]}]
                   if pre_hook else []),
-                hook or hook_entry(config or self.base_config, daemon_socket=self.daemon_socket),
+                hook or hook_entry(config or self.base_config, via=self.via),
             ]},
             capabilities=caps, readonly=readonly,
         )

@@ -20,7 +20,7 @@ D_TIMEOUT_S = 10.0
 
 def forged(rig: Rig, *options: str) -> Outcome:
     """Run a GPU 0 container whose hook is gpuhook behind forge.py with *options*."""
-    hook = hook_entry(rig.base_config, wrapper=[FORGE, *options], daemon_socket=rig.daemon_socket)
+    hook = hook_entry(rig.base_config, wrapper=[FORGE, *options], via=rig.via)
     return rig.run(rig.container(GPU0, GPU_PROBE, hook=hook), timeout=D_TIMEOUT_S)
 
 
@@ -46,7 +46,7 @@ def test_nvidiascape_image_env_never_reaches_the_hook(rig: Rig, progs: Progs, va
 def test_hook_registered_with_ld_variables_refuses(rig: Rig, progs: Progs, variable: str) -> None:
     """D31 tripwire: a hook registered with ``LD_*`` in its env refuses to work ("... in the hook's environment")."""
     value = str(progs.noop_so.parent) if variable == "LD_LIBRARY_PATH" else str(progs.noop_so)
-    hook = hook_entry(rig.base_config, env=[*HOOK_ENV, f"{variable}={value}"], daemon_socket=rig.daemon_socket)
+    hook = hook_entry(rig.base_config, env=[*HOOK_ENV, f"{variable}={value}"], via=rig.via)
     outcome = rig.run(rig.container(GPU0, hook=hook))
     outcome.assert_refused(variable, "environment")
 
@@ -71,7 +71,7 @@ def test_python_hijack_variables_are_ignored_and_refused(rig: Rig, variable: str
             (rootfs.parent / name).write_text(payload)
 
     hook = hook_entry(rig.base_config, env=[*HOOK_ENV, f"{variable}={value}", "HOME=."],
-                      daemon_socket=rig.daemon_socket)
+                      via=rig.via)
     outcome = rig.run(rig.container(GPU0, hook=hook, prepare=prepare))
     assert not owned.exists(), "attacker Python code ran in the hook"
     outcome.assert_refused(variable, "environment")
@@ -237,7 +237,7 @@ def test_run_by_hand_as_nobody_is_refused(rig: Rig, host_sleeper: int) -> None:
     before = rig.host_state()
     proc = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
-         *hook_command(config, daemon_socket=rig.daemon_socket)],
+         *hook_command(config, via=rig.via)],
         input=state, capture_output=True, text=True, timeout=D_TIMEOUT_S, env={"PATH": "/usr/bin:/bin"}, cwd="/",
         check=False)
     assert proc.returncode == 1 and proc.stderr.startswith("gpuhook: "), proc.stderr
@@ -284,7 +284,7 @@ def test_forged_rootfs_slash_is_refused(rig: Rig, sandbox_sleeper: tuple[int, Pa
     state = json.dumps({"ociVersion": "1.0.2", "id": "by-hand", "status": "creating", "pid": pid, "bundle": str(evil)})
     before = rig.host_state()
     scratch_before = snapshot(scratch)
-    proc = subprocess.run(hook_command(rig.base_config, daemon_socket=rig.daemon_socket),
+    proc = subprocess.run(hook_command(rig.base_config, via=rig.via),
                           input=state, capture_output=True, text=True, timeout=D_TIMEOUT_S,
                           env={"PATH": "/usr/bin:/bin"}, cwd="/", check=False)
     assert snapshot(scratch) == scratch_before, "gpuhook wrote into the namespace's root"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from integration.engines import (
     CRUN_HOOK_OUTPUT_ANNOTATIONS, RunResult, default_spec, run_container, unique_id, write_bundle,
 )
 from integration.fakehost import FakeHost
+from integration.gpuhookd import Gpuhookd
 from integration.rootfs import build_rootfs, copy_rootfs
 
 REPO = Path(__file__).parents[2]
@@ -25,6 +26,11 @@ HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
 def rootfs_src() -> Path:
     """The cached busybox+glibc rootfs (with dltest and devopen)."""
     return build_rootfs(REPO / ".cache" / "rootfs")
+
+
+def relay_entry(relay: Path, config: Path, *argv: str) -> dict[str, Any]:
+    """gpuhook-relay registered as the packages do: the binary itself, gpuhook's argv, explicit env."""
+    return {"path": str(relay), "args": [str(relay), "--config", str(config), *argv], "env": HOOK_ENV}
 
 
 def hook_entry(config: Path, *argv: str) -> dict[str, Any]:
@@ -79,3 +85,14 @@ def _need_root() -> None:
     """These tests start real containers; running them unprivileged is a set-up error, not a skip."""
     if os.geteuid() != 0:
         pytest.fail("the end-to-end tests start real runc/crun containers and must run as root (make test does)")
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Gpuhookd]:
+    """A running gpuhookd; its journal must show no failed request."""
+    running = Gpuhookd(sys.executable, tmp_path / "gpuhookd")
+    try:
+        yield running
+    finally:
+        journal = running.stop()
+    assert "request failed" not in journal, journal

@@ -1,0 +1,380 @@
+/*
+ * gpuhook-relay: the OCI hook's start without a Python interpreter.
+ *
+ * Runtimes start the hook, as root, for every container. Starting Python costs 10-15 ms of
+ * each start, so this static program does only the hook's first steps: it checks its
+ * environment, reads the OCI state from stdin and forwards its argv, environment and state,
+ * with fds of its namespaces and root, to gpuhookd (a `relay` request; see
+ * gpuhook/daemon/wire.py and client.py). It parses no JSON: the daemon does all the work.
+ *
+ * Whenever the daemon cannot have started the work (no socket, a server that is not root, a
+ * failed send, a `declined` reply), it runs the Python hook beside it instead, with the same
+ * argv, environment and stdin. Once a request is sent, anything but a reply is an error,
+ * never a fallback: the work may have been half done and rolled back.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef GPUHOOK_VERSION
+#error "build with relay/build.sh, which sets GPUHOOK_VERSION from gpuhook/__init__.py"
+#endif
+
+#define DEFAULT_SOCKET "/run/gpuhook/gpuhookd.sock"
+#define STATE_LIMIT (1 << 20)   /* strictjson.STATE_LIMIT; one byte more lets the daemon say "too big" */
+#define REPLY_LIMIT (1 << 16)   /* wire.REPLY_LIMIT */
+#define STDIN_TIMEOUT_MS 5000   /* cli.inputs.STDIN_TIMEOUT */
+#define REPLY_TIMEOUT_S 150     /* client.REPLY_TIMEOUT: longer than the daemon's own request limit */
+#define NFDS 5                  /* client.NAMESPACES and the root, in that order */
+
+extern char **environ;
+
+static char state[STATE_LIMIT + 1];
+static size_t state_len;
+static int state_read;          /* stdin was consumed: the fallback gets a copy */
+static char out[REPLY_LIMIT + 1];  /* the request, staged; later the reply and a NUL (or a byte too many) */
+static size_t out_len;
+static int sock = -1, fds[NFDS], fds_sent;
+static char errbuf[4096];
+static sigset_t saved_mask;
+
+static long long now_ms(void)
+{
+    struct timespec ts = { 0 };
+    (void)clock_gettime(CLOCK_MONOTONIC, &ts);  /* cannot fail: a valid clock and pointer */
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* 1: fd is readable (or at EOF, or in error: read() tells), 0: the deadline passed. */
+static int readable(int fd, long long deadline)
+{
+    for (;;) {
+        long long left = deadline - now_ms();
+        struct pollfd p = { .fd = fd, .events = POLLIN };
+        if (left <= 0)
+            return 0;
+        int n = poll(&p, 1, (int)left);
+        if (n > 0)
+            return 1;
+        if (n < 0 && errno != EINTR && errno != EAGAIN)
+            return 1;
+    }
+}
+
+/* A variable's name, up to '=', compared as bytes (Python's sorted() on str agrees for UTF-8). */
+static int name_cmp(const char *a, const char *b)
+{
+    for (;; a++, b++) {
+        unsigned char ca = *a == '=' ? 0 : (unsigned char)*a, cb = *b == '=' ? 0 : (unsigned char)*b;
+        if (ca != cb || !ca)
+            return ca - cb;
+    }
+}
+
+static int tripped(const char *entry)
+{
+    if (strncmp(entry, "LD_", 3) != 0 && strncmp(entry, "PYTHON", 6) != 0)
+        return 0;
+    return name_cmp(entry, "PYTHONUNBUFFERED") && name_cmp(entry, "PYTHONDONTWRITEBYTECODE") &&
+           name_cmp(entry, "PYTHONIOENCODING");
+}
+
+/*
+ * LD_* and PYTHON* reach a root hook before its first line (NVIDIAScape, CVE-2025-23266, was
+ * LD_PRELOAD reaching a root hook). This program is static and loads nothing, but the Python hook
+ * it falls back to would be exposed, and the environment goes on to gpuhookd: finding one means
+ * the registration is unsafe, so refuse as the Python hook does (cli/hygiene.py, same words).
+ */
+static void check_environment(void)
+{
+    const char *prev = NULL;
+    for (;;) {  /* the names sorted and unique, by selection: no allocation */
+        const char *next = NULL;
+        for (char **e = environ; *e; e++)
+            if (tripped(*e) && (!prev || name_cmp(*e, prev) > 0) && (!next || name_cmp(*e, next) < 0))
+                next = *e;
+        if (!next)
+            break;
+        fputs(prev ? ", " : "gpuhook: the hook's environment sets ", stderr);
+        fwrite(next, 1, strcspn(next, "="), stderr);
+        prev = next;
+    }
+    if (prev) {
+        fputs("; they can inject code into a root process (CVE-2025-23266). Register the hook with an "
+              "explicit env such as [\"PATH=/usr/sbin:/usr/bin:/sbin:/bin\"]\n", stderr);
+        exit(1);
+    }
+}
+
+static void read_state(void)
+{
+    long long deadline = now_ms() + STDIN_TIMEOUT_MS;
+    state_read = 1;
+    while (state_len < sizeof state) {
+        if (!readable(0, deadline)) {
+            fputs("gpuhook: the OCI state on stdin did not arrive within 5 s (is stdin closed?)\n", stderr);
+            exit(1);
+        }
+        ssize_t n = read(0, state + state_len, sizeof state - state_len);
+        if (n == 0)
+            return;
+        if (n > 0)
+            state_len += (size_t)n;
+        else if (errno != EINTR && errno != EAGAIN) {
+            fprintf(stderr, "gpuhook: cannot read the OCI state on stdin: %s\n", strerror(errno));
+            exit(1);
+        }
+    }
+}
+
+static int write_all(int fd, const char *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* Its own failures read like the hook's ("gpuhook: ..." is what users find in the runtime's error). */
+static _Noreturn void die(const char *what, const char *detail)
+{
+    fprintf(stderr, "gpuhook: gpuhook-relay %s: %s\n", what, detail);
+    exit(1);
+}
+
+/* The Python hook beside this executable, with our argv, environment and stdin. */
+static _Noreturn void fallback(char **argv)
+{
+    static char path[4096];
+    const size_t room = sizeof path - sizeof "gpuhook";
+    ssize_t n = readlink("/proc/self/exe", path, room);
+    char *slash = n > 0 && (size_t)n < room ? memrchr(path, '/', (size_t)n) : NULL;
+    if (sock >= 0)
+        (void)close(sock);  /* CLOEXEC anyway: the hook never sees it */
+    if (!slash)
+        die("cannot find its own executable", n < 0 ? strerror(errno) : "unusable /proc/self/exe");
+    strcpy(slash + 1, "gpuhook");
+    if (state_read) {  /* stdin was consumed: a copy, not CLOEXEC, becomes the hook's stdin */
+        int fd = memfd_create("gpuhook-state", 0);
+        if (fd < 0 || write_all(fd, state, state_len) || lseek(fd, 0, SEEK_SET) != 0 || dup2(fd, 0) != 0 ||
+            close(fd) != 0)  /* fd > 2: main() made sure 0-2 are open */
+            die("cannot pass the OCI state on", strerror(errno));
+    }
+    argv[0] = path;
+    (void)sigprocmask(SIG_SETMASK, &saved_mask, NULL);  /* cannot fail: valid arguments */
+    execve(path, argv, environ);
+    fprintf(stderr, "gpuhook: gpuhook-relay cannot run %s, the Python hook for calls gpuhookd does not serve: %s\n",
+            path, strerror(errno));
+    exit(1);
+}
+
+/* 0: sock is connected to a root server at path; -1: not (nothing was sent, the fallback is safe). */
+static int connect_daemon(const char *path)
+{
+    struct sockaddr_un addr = { .sun_family = AF_UNIX };
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    struct timeval send_timeout = { .tv_sec = REPLY_TIMEOUT_S };
+    size_t n = strlen(path);
+    if (n > sizeof addr.sun_path)
+        return -1;
+    memcpy(addr.sun_path, path, n);
+    sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (sock < 0 || connect(sock, (struct sockaddr *)&addr, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n)))
+        return -1;
+    /* A --daemon-socket outside /run could be anyone's: never hand our namespaces to a non-root process. */
+    if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) || len != sizeof cred || cred.uid != 0)
+        return -1;
+    /* A daemon that stops reading must not hang the container start; a partial request is never run. */
+    return setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof send_timeout);
+}
+
+/* Send everything; the first sendmsg carries our namespaces and root (SCM_RIGHTS). */
+static int send_all(const char *p, size_t n)
+{
+    while (n > 0) {
+        struct iovec iov = { .iov_base = (void *)p, .iov_len = n };
+        struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1 };
+        union { char buf[CMSG_SPACE(sizeof fds)]; struct cmsghdr align; } ctl;
+        if (!fds_sent) {
+            memset(&ctl, 0, sizeof ctl);
+            msg.msg_control = ctl.buf;
+            msg.msg_controllen = sizeof ctl.buf;
+            struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+            c->cmsg_level = SOL_SOCKET;
+            c->cmsg_type = SCM_RIGHTS;
+            c->cmsg_len = CMSG_LEN(sizeof fds);
+            memcpy(CMSG_DATA(c), fds, sizeof fds);
+        }
+        ssize_t s = sendmsg(sock, &msg, MSG_NOSIGNAL);
+        if (s < 0 && errno == EINTR)
+            continue;
+        if (s <= 0)
+            return -1;
+        fds_sent = 1;
+        p += s;
+        n -= (size_t)s;
+    }
+    return 0;
+}
+
+/* Stage bytes in out[], sending when it is full (and large parts directly). */
+static int put(const void *p, size_t n)
+{
+    if (out_len + n > sizeof out) {
+        if (send_all(out, out_len))
+            return -1;
+        out_len = 0;
+    }
+    if (n >= sizeof out)
+        return send_all(p, n);
+    memcpy(out + out_len, p, n);
+    out_len += n;
+    return 0;
+}
+
+/* Total length of strings joined with NUL bytes, and sending them so. */
+static size_t joined_len(char **v)
+{
+    size_t n = 0;
+    for (char **s = v; *s; s++)
+        n += strlen(*s) + (s != v);
+    return n;
+}
+
+static int put_joined(char **v)
+{
+    for (char **s = v; *s; s++)
+        if ((s != v && put("", 1)) || put(*s, strlen(*s)))
+            return -1;
+    return 0;
+}
+
+static int send_request(char **argv)
+{
+    static const char *const paths[NFDS] = { "/proc/self/ns/mnt", "/proc/self/ns/cgroup", "/proc/self/ns/pid",
+                                             "/proc/self/ns/user", "/" };
+    char header[160];
+    int ok = 1;
+    for (int i = 0; i < NFDS; i++) {
+        fds[i] = open(paths[i], i < 4 ? O_RDONLY | O_CLOEXEC : O_PATH | O_DIRECTORY | O_CLOEXEC);
+        ok = ok && fds[i] >= 0;
+    }
+    int n = snprintf(header, sizeof header, "gpuhookd/1 relay %zu %zu %zu %zu\n", strlen(GPUHOOK_VERSION),
+                     joined_len(argv), joined_len(environ), state_len);
+    ok = ok && n > 0 && (size_t)n < sizeof header && !put(header, (size_t)n) && !put(GPUHOOK_VERSION,
+         strlen(GPUHOOK_VERSION)) && !put_joined(argv) && !put_joined(environ) && !put(state, state_len) &&
+         !send_all(out, out_len);
+    for (int i = 0; i < NFDS; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+    return ok ? 0 : -1;
+}
+
+static _Noreturn void no_answer(const char *path, const char *why)
+{
+    fprintf(stderr, "gpuhook: gpuhookd %s: no complete answer (%s); see gpuhookd's journal "
+            "(journalctl -u gpuhookd) and the hook log\n", path, why);
+    exit(1);
+}
+
+/* Digits (at least one) up to the end mark; the value saturates (a status is clamped later). */
+static const char *number(const char *p, char end, unsigned long *value)
+{
+    const char *start = p;
+    for (*value = 0; *p >= '0' && *p <= '9'; p++)
+        *value = *value > 100000000 ? *value : *value * 10 + (unsigned long)(*p - '0');
+    return p > start && *p == end ? p + 1 : NULL;
+}
+
+/* `gpuhookd/1 VERDICT STATUS N\n` and N bytes: exit as `done` says, or return on `declined`. */
+static void receive_reply(const char *path)
+{
+    long long deadline = now_ms() + REPLY_TIMEOUT_S * 1000LL;
+    size_t len = 0;
+    for (;;) {
+        if (len > REPLY_LIMIT)
+            no_answer(path, "reply too long");
+        if (!readable(sock, deadline))
+            no_answer(path, "timed out");
+        ssize_t n = recv(sock, out + len, REPLY_LIMIT + 1 - len, 0);
+        if (n == 0)
+            break;
+        if (n > 0)
+            len += (size_t)n;
+        else if (errno != EINTR && errno != EAGAIN)
+            no_answer(path, strerror(errno));
+    }
+    if (len == 0)
+        no_answer(path, "connection closed");
+    out[len] = '\0';  /* len <= REPLY_LIMIT: the header parses as a string (the message may hold NULs) */
+    const char *p = out;
+    unsigned long status, size;
+    int negative = 0, declined = 0;
+    if (strncmp(p, "gpuhookd/1 done ", 16) == 0)
+        p += 16;
+    else if (strncmp(p, "gpuhookd/1 declined ", 20) == 0)
+        p += 20, declined = 1;
+    else
+        no_answer(path, "malformed reply");  /* pong included: we asked no ping */
+    if (*p == '-')
+        p++, negative = 1;
+    if (!(p = number(p, ' ', &status)) || !(p = number(p, '\n', &size)) || size != len - (size_t)(p - out))
+        no_answer(path, "malformed reply");
+    if (declined)
+        return;
+    (void)write_all(2, p, size);  /* the hook's stderr, verbatim; a reader that left changes nothing */
+    exit(negative ? (status ? 1 : 0) : status > 255 ? 255 : (int)status);
+}
+
+int main(int argc, char **argv)
+{
+    const char *path = DEFAULT_SOCKET;
+    sigset_t pipe_set;
+    if (argc < 1) {
+        fputs("gpuhook: gpuhook-relay started without argv\n", stderr);
+        return 1;
+    }
+    /* Full buffering: each message leaves in one write(); exit() flushes it. */
+    setvbuf(stderr, errbuf, _IOFBF, sizeof errbuf);
+    /* Closed std fds would be taken by our own opens, and errors could go down the socket. */
+    for (int fd = 0; fd < 3; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", fd ? O_WRONLY : O_RDONLY) != fd)
+            return 1;
+    /* A reader of stderr that left must not turn our exit status into death by SIGPIPE (sends use
+     * MSG_NOSIGNAL). Only paths that exit write to stderr; the fallback gets the runtime's mask back. */
+    if (sigemptyset(&pipe_set) || sigaddset(&pipe_set, SIGPIPE) || sigprocmask(SIG_BLOCK, &pipe_set, &saved_mask))
+        return 1;
+    check_environment();
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--daemon-socket") == 0) {
+            if (i + 1 == argc)
+                fallback(argv);  /* a usage error: the Python hook says so */
+            path = argv[i + 1][0] ? argv[i + 1] : DEFAULT_SOCKET;  /* "": the default, as in the hook */
+            break;
+        }
+    /* A relative path would resolve in the cwd: the bundle or the rootfs, the container's. */
+    if (strcmp(path, "none") == 0 || path[0] != '/')
+        fallback(argv);
+    read_state();
+    if (connect_daemon(path) || send_request(argv))
+        fallback(argv);
+    receive_reply(path);
+    fallback(argv);  /* declined: the daemon did nothing; the hook finds out why and logs it */
+}

@@ -1,0 +1,126 @@
+"""gpuhook-relay: real runc/crun containers whose hook is the static relay, served by gpuhookd.
+
+The relay's own protocol handling is tested against a scripted server in tests/unit/test_relay.py;
+here it runs as the packages register it, against a real daemon and real engines.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuhook import __version__
+from integration.engines import default_spec, tree_snapshot, write_bundle
+from integration.fakehost import FakeHost
+from integration.gpuhookd import Gpuhookd
+
+from .conftest import MakeContainer, relay_entry
+from .test_daemon import events_after, log_size
+from .test_hook import PROBE, TWO_GPUS, lines
+
+NO_GPU = {"CUDA_HOME": "/nowhere"}
+
+
+@pytest.mark.parametrize("engine", ["runc", "crun", "runc-cgroup2"])
+def test_relay_gives_the_same_gpus(make_container: MakeContainer, host: FakeHost, daemon: Gpuhookd, relay: Path,
+                                   engine: str) -> None:
+    """The relay hands the raw hook call to gpuhookd, which reads config.json through the hook's root
+    (crun and runc-cgroup2 run hooks in private mount namespaces) and injects what the Python hook would."""
+    offset = log_size(host)
+    hook = relay_entry(relay, host.config_path, "--debug", "--daemon-socket", daemon.socket, "prestart")
+    result = make_container(PROBE, TWO_GPUS, engine=engine, hook=hook).run()
+    assert result.returncode == 0, result.stderr
+    assert {
+        "/dev/nvidia1 ENXIO", "/dev/nvidia3 ENXIO", "/dev/nvidiactl ENXIO", "/dev/nvidia0 ENOENT",
+        "/tmp/gpu0 EPERM", "dlopen libcuda.so.1: OK", "dlopen libnvidia-ml.so.1: OK", "nvidia-smi OK",
+    } <= lines(result.stdout)
+    events = events_after(host.root / "gpuhook.log", offset)
+    assert {e["served_by"] for e in events} == {"gpuhookd"}
+    assert [e["modules"] for e in events if e["event"] == "request_imports"] == [[]]
+
+
+def test_no_gpu_containers_cost_the_daemon_no_fork(make_container: MakeContainer, host: FakeHost,
+                                                   daemon: Gpuhookd, relay: Path) -> None:
+    """A container that asks for no GPU is answered by a waiting worker, which keeps waiting: the
+    daemon's processes are the same before and after three such starts, and nothing is logged."""
+    hook = relay_entry(relay, host.config_path, "--daemon-socket", daemon.socket, "prestart")
+    containers = [make_container("echo ran", NO_GPU, hook=hook) for _ in range(3)]
+    before, offset = sorted(daemon.processes()), log_size(host)
+    for container in containers:
+        result = container.run()
+        assert (result.returncode, result.stdout.strip()) == (0, "ran"), result.stderr
+    assert sorted(daemon.processes()) == before
+    assert events_after(host.root / "gpuhook.log", offset) == []
+
+
+def test_without_a_daemon_the_relay_runs_the_python_hook(make_container: MakeContainer, host: FakeHost,
+                                                         relay: Path, tmp_path: Path) -> None:
+    """No socket: the relay execs the ``gpuhook`` beside it with the same argv and the state it read."""
+    absent = str(tmp_path / "absent" / "gpuhookd.sock")
+    hook = relay_entry(relay, host.config_path, "--daemon-socket", absent, "prestart")
+    offset = log_size(host)
+    result = make_container(PROBE, TWO_GPUS, hook=hook).run()
+    assert result.returncode == 0, result.stderr
+    assert "nvidia-smi OK" in lines(result.stdout)
+    events = events_after(host.root / "gpuhook.log", offset)
+    assert {e["served_by"] for e in events} == {"hook"}
+    assert next(e for e in events if e["event"] == "request_parsed")["daemon"] == (
+        f"no gpuhookd at {absent} (No such file or directory)")
+    no_gpu = make_container("echo ran", NO_GPU, hook=hook).run()
+    assert (no_gpu.returncode, no_gpu.stdout.strip()) == (0, "ran"), no_gpu.stderr
+
+
+def test_refusal_comes_back_through_the_relay(make_container: MakeContainer, host: FakeHost, daemon: Gpuhookd,
+                                              relay: Path) -> None:
+    """The daemon's refusal is the relay's exit status and stderr; the rootfs is unchanged."""
+    hook = relay_entry(relay, host.config_path, "--daemon-socket", daemon.socket, "prestart")
+    container = make_container("true", {"NVIDIA_VISIBLE_DEVICES": "9"}, hook=hook)
+    before, offset = tree_snapshot(container.rootfs), log_size(host)
+    result = container.run()
+    assert result.returncode != 0
+    assert "gpuhook: " in result.stderr and "no GPU with index 9" in result.stderr
+    assert tree_snapshot(container.rootfs) == before
+    failed = [e for e in events_after(host.root / "gpuhook.log", offset) if e["event"] == "hook_failed"]
+    assert [e["served_by"] for e in failed] == ["gpuhookd"]
+
+
+def run_relay(relay: Path, *argv: str, state: str = "", cwd: str = "/",
+              wrap: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """The relay run by hand with *state* on stdin and the hook's usual environment."""
+    return subprocess.run([*wrap, str(relay), *argv], input=state, capture_output=True, text=True, timeout=30,
+                          cwd=cwd, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, check=False)
+
+
+def test_other_commands_go_to_gpuhook(daemon: Gpuhookd, relay: Path) -> None:
+    """The daemon declines anything but a hook call; the relay's fallback (gpuhook's own CLI) answers."""
+    version = run_relay(relay, "--daemon-socket", daemon.socket, "--version")
+    assert (version.returncode, version.stdout.strip()) == (0, f"gpuhook {__version__}"), version.stderr
+    usage = run_relay(relay, "--daemon-socket", daemon.socket, "no-such-stage")
+    assert usage.returncode == 2 and "invalid choice: 'no-such-stage'" in usage.stderr
+    assert run_relay(relay, "--daemon-socket", daemon.socket, "poststop", state="{}").returncode == 0
+
+
+def test_config_json_is_read_in_the_hooks_view(host: FakeHost, daemon: Gpuhookd, relay: Path, tmp_path: Path) -> None:
+    """A hook in a private mount namespace (crun, a runtime in a pod) names a bundle that exists only
+    there: the daemon reads that config.json, not the file at the same path in its own view."""
+    shared = tmp_path / "view"
+    (shared / "bundle").mkdir(parents=True)
+    (shared / "bundle" / "config.json").write_text("not the hook's config.json")  # the daemon's view
+    private = tmp_path / "private-config.json"
+    spec: dict[str, Any] = default_spec("rootfs", ["true"], ["PATH=/bin"])
+    write_bundle(tmp_path / "private", spec)
+    private.write_bytes((tmp_path / "private" / "config.json").read_bytes())
+    state = json.dumps({"ociVersion": "1.0.2", "id": "view", "status": "creating", "pid": 1,
+                        "bundle": str(shared / "bundle")})
+    argv = ("--config", str(host.config_path), "--daemon-socket", daemon.socket, "prestart")
+    seen_from_outside = run_relay(relay, *argv, state=state)
+    assert seen_from_outside.returncode == 1 and "config.json" in seen_from_outside.stderr
+    script = (f"mount -t tmpfs view {shared} && mkdir {shared}/bundle && cp {private} {shared}/bundle/config.json "
+              f'&& exec "$@"')
+    inside = run_relay(relay, *argv, state=state, wrap=("unshare", "--mount", "--propagation", "private", "--",
+                                                        "sh", "-c", script, "sh"))
+    assert inside.returncode == 0, inside.stderr
