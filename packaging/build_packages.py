@@ -17,7 +17,8 @@ The install design (see packaging/nfpm.yaml):
   while gpuhook is installed (the package manager must remove or upgrade gpuhook first).
 
 The launchers in ``/usr/lib/gpuhook/bin`` are three-line ``#!/usr/lib/gpuhook/bin/python -I``
-scripts (like packaging/gpuhook-hook), and ``/usr/bin``'s commands are symlinks to them.
+scripts (like packaging/gpuhook-hook), and ``/usr/bin``'s commands are symlinks to them. Beside
+them, ``gpuhook-relay`` (relay/gpuhook-relay.c, statically linked) is the hook hooks.d runs.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ def build_venv(stage: Path) -> Path:
     for name, entry_point in CONSOLE_SCRIPTS.items():
         (bin_dir / name).write_text(launcher(entry_point))
     shutil.copyfile(PACKAGING / "gpuhook-hook", bin_dir / "gpuhook-hook")
+    # The registered hook (hooks.d): static, it starts no interpreter; it runs bin/gpuhook beside it
+    # for whatever gpuhookd does not serve.
+    run(REPO / "relay" / "build.sh", bin_dir / "gpuhook-relay")
     for path in bin_dir.iterdir():
         if not path.is_symlink():
             path.chmod(0o755)

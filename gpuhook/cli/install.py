@@ -29,7 +29,8 @@ def run_install(engine: str, *, dry_run: bool, root: Path, bin_dir: Path, python
     """Print (and unless --dry-run, make) the changes; say what to restart."""
     paths = ("/etc/docker/daemon.json",)
     current = {p: _read(_target(root, p)) for p in paths}
-    wanted = changes(engine, bin_dir=str(bin_dir), current=current, python=python)
+    relay = (bin_dir / "gpuhook-relay").is_file()
+    wanted = changes(engine, bin_dir=str(bin_dir), current=current, python=python, relay=relay)
     todo = [c for c in wanted if _differs(root, c)]
     if not todo:
         print(f"gpuhook is already registered with {engine}; nothing to change")

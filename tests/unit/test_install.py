@@ -49,8 +49,9 @@ def test_other_engines_are_idempotent(engine: str, tmp_path: Path, capsys: pytes
 
 
 def test_hooks_d_entry_is_safe_and_matches_the_shipped_file() -> None:
-    """An absolute path and a non-empty env (NVIDIAScape); the shipped packaging file says the same."""
-    (change,) = changes("podman", bin_dir=BIN, current={})
+    """An absolute path and a non-empty env (NVIDIAScape); the shipped packaging file (the package has
+    gpuhook-relay) says the same."""
+    (change,) = changes("podman", bin_dir=BIN, current={}, relay=True)
     hook = json.loads(change.content or "")
     assert hook["hook"]["path"].startswith("/") and hook["hook"]["env"]
     assert hook == json.loads((PACKAGING / "oci-hooks.d/gpuhook.json").read_text())
