@@ -14,15 +14,16 @@ it in production: the dev venv's editable-install finder imports pathlib, urllib
 at every interpreter start, ~10 ms that no user pays. Its dependencies come from the running
 environment through a plain directory line in a ``.pth`` file, which costs nothing at start-up.
 
-GPU scenarios run as a package installs gpuhook: a gpuhookd (started once, as systemd's
-gpuhookd.socket would) does the GPU work for the hook; its spares prepare between runs, at the
-lowest priority, as they would between container starts.
+The hook is registered as the packages register it: gpuhook-relay (built by relay/build.sh
+beside that install's ``gpuhook`` launcher), served by a gpuhookd started once, as systemd's
+gpuhookd.socket would; its spares prepare between runs, at the lowest priority, as they would
+between container starts. The 8-GPU start with the cache off calls NVML on every start (the mock
+answers in microseconds, a real NVML without persistence mode in seconds).
 
-Besides issue #4's scenarios there are three references: the interpreter floor (a hook that is
-``python -I -c pass``: what any Python hook costs before its first import), the 8-GPU start
-with the cache off (NVML on every start; the mock answers in microseconds, a real NVML without
-persistence mode in seconds), and the 8-GPU start without gpuhookd (the hook does the work
-itself, importing the GPU path: what every start costs where the daemon is not running).
+References: the interpreter floor (a hook that is ``python -I -c pass``: what any Python hook
+costs before its first import), and the Python hook (packaging/gpuhook-hook) registered instead
+of the relay: on a no-GPU container, through gpuhookd, and without gpuhookd (importing the GPU
+path: what every start costs where the daemon is not running).
 
 The hook's own wall time and peak RSS come from separate, instrumented runs (not the timed
 ones, so the instrument cannot skew them): a small wrapper starts the hook with
@@ -450,7 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{report['date']}, {m['cpus']} CPUs ({m['cpu']}), Linux {m['kernel']}, {m['runc']}, "
           f"Python {m['python']}; {args.runs} runs each\n")
     print(markdown(report))
-    print(f"no-GPU path, python -X importtime: {imports['modules']} modules, {imports['total_self_us'] / 1000:.1f} ms "
+    print(f"the Python hook's no-GPU path, python -X importtime: {imports['modules']} modules, "
+          f"{imports['total_self_us'] / 1000:.1f} ms "
           "of their own time (importtime's figures, inflated by its own bookkeeping); the largest:")
     print(", ".join(f"{m['module']} {m['self_us'] / 1000:.1f}" for m in imports["top_self_us"]))
     print(f"\nresults: {args.out}")

@@ -3,10 +3,11 @@
 # read-only under /usr/local/nvidia, no network). Run from the repository root there, with the venv,
 # a runc binary and the test rootfs carried over:
 #   run(command="bash integration/device_check.sh", carry=[".venv", ".cache/rootfs", "build/runc"])
-# after `mkdir -p build && cp /usr/sbin/runc build/runc && make venv` here (and one test run, which
-# builds .cache/rootfs). It prints `gpuhook info`, `gpuhook doctor`, then starts a real busybox
-# container under runc with NVIDIA_VISIBLE_DEVICES=0 five times with the hook in-process and five
-# times through a gpuhookd, and shows what it sees; figures go to $OUT.
+# after `mkdir -p build && cp /usr/sbin/runc build/runc && make venv relay` here (and one test run,
+# which builds .cache/rootfs). It prints `gpuhook info`, `gpuhook doctor`, then starts a real busybox
+# container under runc with NVIDIA_VISIBLE_DEVICES=0 five times with the hook in-process, five
+# times through a gpuhookd and five times with gpuhook-relay (.venv/bin) through that gpuhookd, and
+# shows what it sees; figures go to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpuhook-device-check}
 # Overridable to rehearse the script on a simulated host: DRIVER_ROOT=DIR DEV_ROOT=DIR PROC_ROOT=DIR.
@@ -39,14 +40,14 @@ if [ -z "$ROOTFS_SRC" ] || [ ! -x "$RUNC" ]; then
 fi
 mkdir -p "$WORK/bundle"
 cp -a "$ROOTFS_SRC" "$WORK/bundle/rootfs"
-write_spec() {  # $1: the hook's --daemon-socket (none: in-process)
-"$PY" - "$WORK" "$PY" "$1" <<'PYEOF'
+write_spec() {  # $1: the hook's --daemon-socket (none: in-process); $2: "relay" for gpuhook-relay
+"$PY" - "$WORK" "$PY" "$1" "${2:-}" <<'PYEOF'
 import json, sys
 from integration.engines import default_spec
-work, py, socket = sys.argv[1], sys.argv[2], sys.argv[3]
-hook = {"path": py, "args": [py, "-I", "-m", "gpuhook", "--config", f"{work}/gpuhook.yaml", "--daemon-socket", socket,
-                             "prestart"],
-        "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+work, py, socket, relay = sys.argv[1:5]
+argv = ["--config", f"{work}/gpuhook.yaml", "--daemon-socket", socket, "prestart"]
+program = [py.removesuffix("python") + "gpuhook-relay"] if relay else [py, "-I", "-m", "gpuhook"]
+hook = {"path": program[0], "args": program + argv, "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
 script = ("ls -l /dev/nvidia*; devopen /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm; "
           "dltest -p libcuda.so.1 libnvidia-ml.so.1; nvidia-smi -L; grep Modify /proc/driver/nvidia/params || echo no /proc/driver/nvidia")
 spec = default_spec("rootfs", ["/bin/sh", "-c", script],
@@ -72,5 +73,7 @@ DAEMON=$!
 for _ in $(seq 100); do [ -S "$WORK/gpuhookd/gpuhookd.sock" ] && break; sleep 0.1; done
 sleep 1  # the spare workers prepare
 write_spec "$WORK/gpuhookd/gpuhookd.sock" && runs gpuhookd
+echo "== runc run with gpuhook-relay, through gpuhookd"
+write_spec "$WORK/gpuhookd/gpuhookd.sock" relay && runs relay
 kill "$DAEMON"; wait "$DAEMON" 2>/dev/null
 grep -c '"served_by": "gpuhookd"' "$OUT/gpuhook.log" | sed 's/^/log events served by gpuhookd: /' | tee -a "$OUT/timings.txt"

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from gpuhook import __version__
+from gpuhook.daemon import client, wire
 from integration.engines import default_spec, tree_snapshot, write_bundle
 from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
@@ -124,3 +125,23 @@ def test_config_json_is_read_in_the_hooks_view(host: FakeHost, daemon: Gpuhookd,
     inside = run_relay(relay, *argv, state=state, wrap=("unshare", "--mount", "--propagation", "private", "--",
                                                         "sh", "-c", script, "sh"))
     assert inside.returncode == 0, inside.stderr
+
+
+def relay_request(socket: str, argv: list[str], env: dict[str, str], state: bytes = b"{}",
+                  version: str = __version__) -> tuple[bytes, int, str]:
+    """A ``relay`` request as gpuhook-relay sends it (from this process, with its namespaces and root)."""
+    parts = [version.encode(), "\0".join(argv).encode(), "\0".join(f"{k}={v}" for k, v in env.items()).encode(),
+             state]
+    return client.exchange(socket, wire.encode_request(b"relay", parts))
+
+
+def test_the_daemon_checks_a_relay_call_as_the_hook_would(daemon: Gpuhookd) -> None:
+    """The daemon does not rely on the relay's own checks: loader variables refuse the call, another
+    version or anything but a hook call is declined (the relay then runs the Python hook)."""
+    hook = ["gpuhook-relay", "prestart"]
+    verdict, status, message = relay_request(daemon.socket, hook, {"PATH": "/bin", "LD_PRELOAD": "/x.so"})
+    assert (verdict, status) == (b"done", 1) and "sets LD_PRELOAD" in message and "CVE-2025-23266" in message
+    assert relay_request(daemon.socket, hook, {}, version="0.0.1")[0] == b"declined"
+    assert relay_request(daemon.socket, ["gpuhook-relay", "--help"], {})[:2] == (b"declined", 0)
+    verdict, status, message = relay_request(daemon.socket, hook, {}, state=b'{"bundle": "relative"}')
+    assert (verdict, status) == (b"done", 1) and "must be an absolute path" in message
