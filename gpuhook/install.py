@@ -82,21 +82,24 @@ def changes(engine: str, *, bin_dir: str, current: dict[str, str | None], python
             relay: bool = False) -> tuple[Change, ...]:
     """Everything *engine* needs, given the current text of the files involved (by path).
 
-    *relay*: gpuhook-relay is installed in *bin_dir* (the packages build it); hooks.d then runs
-    it, and it runs the Python hook beside it only when gpuhookd does not serve a call.
+    *relay*: gpuhook-relay is installed in *bin_dir*, and under NVIDIA's hook name in the libexec
+    directory beside it (the packages' layout); hooks.d and docker ``--gpus`` then run those, which
+    run the Python hook only when gpuhookd does not serve a call.
     """
     runtime, launcher = f"{bin_dir}/gpuhook-runtime", f"{bin_dir}/gpuhook-hook"
     hook_launcher = (Change(path=launcher, content=launcher_script(python), mode=0o755),) if python else ()
+    nvidia_hook = f"{bin_dir}/nvidia-container-runtime-hook"
     if relay:
         launcher, hook_launcher = f"{bin_dir}/gpuhook-relay", ()
+        nvidia_hook = f"{bin_dir.rsplit('/', 1)[0]}/libexec/nvidia-container-runtime-hook"
     if engine == "docker":
         path = "/etc/docker/daemon.json"
         return (
             Change(path=path, content=docker_daemon_json(current.get(path), runtime),
                    restart="dockerd (systemctl restart docker)"),
             # `docker run --gpus` looks the NVIDIA hook name up on dockerd's PATH at start-up.
-            Change(path="/usr/local/bin/nvidia-container-runtime-hook",
-                   link_to=f"{bin_dir}/nvidia-container-runtime-hook", restart="dockerd (systemctl restart docker)"),
+            Change(path="/usr/local/bin/nvidia-container-runtime-hook", link_to=nvidia_hook,
+                   restart="dockerd (systemctl restart docker)"),
         )
     if engine == "containerd":
         return (

@@ -18,7 +18,8 @@ The install design (see packaging/nfpm.yaml):
 
 The launchers in ``/usr/lib/gpuhook/bin`` are three-line ``#!/usr/lib/gpuhook/bin/python -I``
 scripts (like packaging/gpuhook-hook), and ``/usr/bin``'s commands are symlinks to them. Beside
-them, ``gpuhook-relay`` (relay/gpuhook-relay.c, statically linked) is the hook hooks.d runs.
+them, ``gpuhook-relay`` (relay/gpuhook-relay.c, statically linked) is the hook hooks.d runs, and
+``libexec/nvidia-container-runtime-hook`` (the same program) the one /usr/bin's NVIDIA name links to.
 """
 
 from __future__ import annotations
@@ -104,9 +105,12 @@ def build_venv(stage: Path) -> Path:
     for name, entry_point in CONSOLE_SCRIPTS.items():
         (bin_dir / name).write_text(launcher(entry_point))
     shutil.copyfile(PACKAGING / "gpuhook-hook", bin_dir / "gpuhook-hook")
-    # The registered hook (hooks.d): static, it starts no interpreter; it runs bin/gpuhook beside it
+    # The registered hooks: gpuhook-relay (hooks.d) and, under NVIDIA's name, the same program for
+    # docker --gpus. Static, they start no interpreter; each runs the launcher of its name in bin/
     # for whatever gpuhookd does not serve.
     run(REPO / "relay" / "build.sh", bin_dir / "gpuhook-relay")
+    (venv / "libexec").mkdir()
+    shutil.copy2(bin_dir / "gpuhook-relay", venv / "libexec" / "nvidia-container-runtime-hook")
     for path in bin_dir.iterdir():
         if not path.is_symlink():
             path.chmod(0o755)

@@ -158,29 +158,56 @@ static _Noreturn void die(const char *what, const char *detail)
     exit(1);
 }
 
-/* The Python hook beside this executable, with our argv, environment and stdin. */
+/*
+ * The Python command this relay stands for, and where it is: the relay's own file name without a
+ * "-relay" suffix, in the bin directory beside the relay's directory. bin/gpuhook-relay stands for
+ * bin/gpuhook (its own directory); the package's libexec/nvidia-container-runtime-hook, a copy of
+ * this program that docker --gpus finds on its PATH, for bin/nvidia-container-runtime-hook. The
+ * daemon is told the name as argv[0]: it decodes NVIDIA's flags for NVIDIA's name.
+ */
+static char python_hook[4096];
+static const char *command;
+
+static void find_python_hook(void)
+{
+    char exe[2048];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0 || (size_t)n >= sizeof exe - 1)
+        die("cannot find its own executable", n < 0 ? strerror(errno) : "unusable /proc/self/exe");
+    exe[n] = '\0';
+    char *slash = strrchr(exe, '/'), *name = slash ? slash + 1 : NULL;
+    if (!name || !*name)
+        die("cannot find its own executable", exe);
+    *slash = '\0';
+    char *up = strrchr(exe, '/');  /* exe is now the relay's directory; its parent holds bin */
+    if (!up)
+        die("cannot find its own executable", "it is in /");
+    *up = '\0';
+    size_t len = strlen(name);
+    if (len > 6 && strcmp(name + len - 6, "-relay") == 0)
+        name[len - 6] = '\0';
+    int w = snprintf(python_hook, sizeof python_hook, "%s/bin/%s", exe, name);
+    if (w < 0 || (size_t)w >= sizeof python_hook)
+        die("cannot find its own executable", "path too long");
+    command = strrchr(python_hook, '/') + 1;
+}
+
+/* The Python hook, with our argv, environment and stdin. */
 static _Noreturn void fallback(char **argv)
 {
-    static char path[4096];
-    const size_t room = sizeof path - sizeof "gpuhook";
-    ssize_t n = readlink("/proc/self/exe", path, room);
-    char *slash = n > 0 && (size_t)n < room ? memrchr(path, '/', (size_t)n) : NULL;
     if (sock >= 0)
         (void)close(sock);  /* CLOEXEC anyway: the hook never sees it */
-    if (!slash)
-        die("cannot find its own executable", n < 0 ? strerror(errno) : "unusable /proc/self/exe");
-    strcpy(slash + 1, "gpuhook");
     if (state_read) {  /* stdin was consumed: a copy, not CLOEXEC, becomes the hook's stdin */
         int fd = memfd_create("gpuhook-state", 0);
         if (fd < 0 || write_all(fd, state, state_len) || lseek(fd, 0, SEEK_SET) != 0 || dup2(fd, 0) != 0 ||
             close(fd) != 0)  /* fd > 2: main() made sure 0-2 are open */
             die("cannot pass the OCI state on", strerror(errno));
     }
-    argv[0] = path;
+    argv[0] = python_hook;
     (void)sigprocmask(SIG_SETMASK, &saved_mask, NULL);  /* cannot fail: valid arguments */
-    execve(path, argv, environ);
+    execve(python_hook, argv, environ);
     fprintf(stderr, "gpuhook: gpuhook-relay cannot run %s, the Python hook for calls gpuhookd does not serve: %s\n",
-            path, strerror(errno));
+            python_hook, strerror(errno));
     exit(1);
 }
 
@@ -276,6 +303,7 @@ static int send_request(char **argv)
         fds[i] = open(paths[i], i < 4 ? O_RDONLY | O_CLOEXEC : O_PATH | O_DIRECTORY | O_CLOEXEC);
         ok = ok && fds[i] >= 0;
     }
+    argv[0] = (char *)command;  /* which command's argv this is (find_python_hook) */
     int n = snprintf(header, sizeof header, "gpuhookd/1 relay %zu %zu %zu %zu\n", strlen(GPUHOOK_VERSION),
                      joined_len(argv), joined_len(environ), state_len);
     ok = ok && n > 0 && (size_t)n < sizeof header && !put(header, (size_t)n) && !put(GPUHOOK_VERSION,
@@ -362,6 +390,7 @@ int main(int argc, char **argv)
     if (sigemptyset(&pipe_set) || sigaddset(&pipe_set, SIGPIPE) || sigprocmask(SIG_BLOCK, &pipe_set, &saved_mask))
         return 1;
     check_environment();
+    find_python_hook();
     for (int i = 1; i < argc; i++)
         if (strcmp(argv[i], "--daemon-socket") == 0) {
             if (i + 1 == argc)

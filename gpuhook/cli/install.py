@@ -29,7 +29,8 @@ def run_install(engine: str, *, dry_run: bool, root: Path, bin_dir: Path, python
     """Print (and unless --dry-run, make) the changes; say what to restart."""
     paths = ("/etc/docker/daemon.json",)
     current = {p: _read(_target(root, p)) for p in paths}
-    relay = (bin_dir / "gpuhook-relay").is_file()
+    relays = (bin_dir / "gpuhook-relay", bin_dir.parent / "libexec" / "nvidia-container-runtime-hook")
+    relay = all(path.is_file() for path in relays)  # the packages' layout (integration/relay.py makes it too)
     wanted = changes(engine, bin_dir=str(bin_dir), current=current, python=python, relay=relay)
     todo = [c for c in wanted if _differs(root, c)]
     if not todo:

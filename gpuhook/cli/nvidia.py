@@ -15,7 +15,10 @@ from gpuhook import __version__
 from gpuhook.cli import HOOK_STAGES, NOOP_STAGES
 from gpuhook.cli import main as gpuhook_main
 
-USAGE = "usage: nvidia-container-runtime-hook [-config FILE] [-debug] [-version] prestart|poststart|poststop"
+USAGE = ("usage: nvidia-container-runtime-hook [-config FILE] [-debug] [-daemon-socket PATH|none] [-version] "
+         "prestart|poststart|poststop")
+#: the names this front-end is installed under
+HOOK_NAMES = ("nvidia-container-runtime-hook", "nvidia-container-toolkit")
 
 
 def translate(argv: Sequence[str]) -> list[str] | str:
@@ -33,12 +36,12 @@ def translate(argv: Sequence[str]) -> list[str] | str:
             return f"gpuhook {__version__} (nvidia-container-runtime-hook compatible)"
         if name == "debug":
             out.append("--debug")
-        elif name == "config":
+        elif name in ("config", "daemon-socket"):  # the latter is gpuhook's own (gpuhookd's socket)
             if not eq:
                 if not args:
-                    return f"flag needs an argument: -config\n{USAGE}"
+                    return f"flag needs an argument: -{name}\n{USAGE}"
                 value = args.pop(0)
-            out += ["--config", value]
+            out += [f"--{name}", value]
         else:
             return f"flag provided but not defined: {arg}\n{USAGE}"
     return f"missing command\n{USAGE}"

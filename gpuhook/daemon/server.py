@@ -47,6 +47,7 @@ from gpuhook.errors import ConfigError, GpuHookError
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, MutableMapping, Sequence
+    from types import SimpleNamespace
     from typing import Any, NoReturn
 
     from gpuhook.apply.ahead import ChildAhead
@@ -247,7 +248,7 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int]) -> Reply | GpuReque
     it gets what the in-process hook does first, with the same functions: the argv, the
     environment tripwire, the state, config.json read through the hook's root, the no-GPU check.
     """
-    from gpuhook.cli import NOOP_STAGES, describe_failure, hook_argv
+    from gpuhook.cli import NOOP_STAGES, describe_failure
     from gpuhook.cli.hook import STATE_WHAT
     from gpuhook.cli.hygiene import check_environment
     from gpuhook.cli.inputs import read_config_json
@@ -268,9 +269,9 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int]) -> Reply | GpuReque
         return (b"declined", 0,
                 f"gpuhookd runs gpuhook {__version__}, the hook {version} (restart gpuhookd after an upgrade)")
     if kind == b"relay":
-        args = hook_argv(argv[1:])
+        args = _relayed_hook_argv(argv)
         if args is None:  # --help, another command, a mistake: gpuhook's own CLI answers those
-            return b"declined", 0, f"not a hook call: {' '.join(argv[1:])[:200]}"
+            return b"declined", 0, f"not a hook call: {' '.join(argv)[:200]}"
         if args.command in NOOP_STAGES:
             return b"done", 0, ""
         config, debug = args.config, args.debug
@@ -287,6 +288,19 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int]) -> Reply | GpuReque
     if kind == b"relay" and not asks_for_gpu(spec):
         return b"done", 0, ""
     return GpuRequest(fds, config, debug, env, state, spec)
+
+
+def _relayed_hook_argv(argv: Sequence[str]) -> SimpleNamespace | None:
+    """The hook call in a relay's argv, whose first word names the command it stands for: ``gpuhook``,
+    or NVIDIA's hook name (docker ``--gpus``), whose Go-style flags are translated first; else None."""
+    from gpuhook.cli import hook_argv, nvidia
+
+    if argv[0] == "gpuhook":
+        return hook_argv(argv[1:])
+    if argv[0] in nvidia.HOOK_NAMES:
+        translated = nvidia.translate(argv[1:])
+        return hook_argv(translated) if isinstance(translated, list) else None  # else: usage, -version
+    return None
 
 
 def serve_gpu_request(conn: socket.socket, request: GpuRequest, apply_child: ChildAhead | None) -> None:

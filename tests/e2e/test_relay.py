@@ -19,7 +19,7 @@ from integration.engines import default_spec, tree_snapshot, write_bundle
 from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
 
-from .conftest import MakeContainer, relay_entry
+from .conftest import HOOK_ENV, MakeContainer, relay_entry
 from .test_daemon import events_after, log_size
 from .test_hook import PROBE, TWO_GPUS, lines
 
@@ -42,6 +42,23 @@ def test_relay_gives_the_same_gpus(make_container: MakeContainer, host: FakeHost
     events = events_after(host.root / "gpuhook.log", offset)
     assert {e["served_by"] for e in events} == {"gpuhookd"}
     assert [e["modules"] for e in events if e["event"] == "request_imports"] == [[]]
+
+
+def test_relay_under_nvidias_name(make_container: MakeContainer, host: FakeHost, daemon: Gpuhookd,
+                                  relay: Path) -> None:
+    """The package's libexec/nvidia-container-runtime-hook (the relay, found on dockerd's PATH for
+    ``--gpus``) takes NVIDIA's flags: gpuhookd decodes them and serves the GPUs."""
+    nvidia = relay.parents[1] / "libexec" / "nvidia-container-runtime-hook"
+    offset = log_size(host)
+    hook = {"path": str(nvidia), "args": ["nvidia-container-runtime-hook", "-config", str(host.config_path),
+                                          "--daemon-socket", daemon.socket, "prestart"], "env": HOOK_ENV}
+    result = make_container(PROBE, TWO_GPUS, hook=hook).run()
+    assert result.returncode == 0, result.stderr
+    assert "nvidia-smi OK" in lines(result.stdout)
+    assert {e["served_by"] for e in events_after(host.root / "gpuhook.log", offset)} == {"gpuhookd"}
+    version = run_relay(nvidia, "-version")  # not a hook call: the Python hook under NVIDIA's name answers
+    assert (version.returncode, version.stdout.strip()) == (
+        0, f"gpuhook {__version__} (nvidia-container-runtime-hook compatible)"), version.stderr
 
 
 def test_no_gpu_containers_cost_the_daemon_no_fork(make_container: MakeContainer, host: FakeHost,
@@ -138,10 +155,11 @@ def relay_request(socket: str, argv: list[str], env: dict[str, str], state: byte
 def test_the_daemon_checks_a_relay_call_as_the_hook_would(daemon: Gpuhookd) -> None:
     """The daemon does not rely on the relay's own checks: loader variables refuse the call, another
     version or anything but a hook call is declined (the relay then runs the Python hook)."""
-    hook = ["gpuhook-relay", "prestart"]
+    hook = ["gpuhook", "prestart"]
     verdict, status, message = relay_request(daemon.socket, hook, {"PATH": "/bin", "LD_PRELOAD": "/x.so"})
     assert (verdict, status) == (b"done", 1) and "sets LD_PRELOAD" in message and "CVE-2025-23266" in message
     assert relay_request(daemon.socket, hook, {}, version="0.0.1")[0] == b"declined"
-    assert relay_request(daemon.socket, ["gpuhook-relay", "--help"], {})[:2] == (b"declined", 0)
+    assert relay_request(daemon.socket, ["gpuhook", "--help"], {})[:2] == (b"declined", 0)
+    assert relay_request(daemon.socket, ["gpuhook-relay", "prestart"], {})[:2] == (b"declined", 0)  # no such command
     verdict, status, message = relay_request(daemon.socket, hook, {}, state=b'{"bundle": "relative"}')
     assert (verdict, status) == (b"done", 1) and "must be an absolute path" in message

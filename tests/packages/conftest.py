@@ -418,18 +418,22 @@ def running_gpuhookd(installed: InstalledRoot, version: str) -> Iterator[str]:
 
 
 def check_gpuhookd_container(installed: InstalledRoot, version: str) -> None:
-    """A real `runc run` whose hook (the registered launcher, --daemon-socket) is served by the installed gpuhookd."""
+    """Real `runc run`s whose hooks (the hooks.d registration, and docker's NVIDIA name: both gpuhook-relay;
+    --daemon-socket) are served by the installed gpuhookd."""
     registered = json.loads((installed.root / "usr/share/containers/oci/hooks.d/gpuhook.json").read_text())["hook"]
-    name = unique_id("pkg-gpuhookd")
     log = installed.root / "var/log/gpuhook.log"
     with running_gpuhookd(installed, version) as socket_path:
-        hook = {**registered, "args": [registered["args"][0], "--daemon-socket", socket_path, "prestart"]}
-        proc = installed.run_gpu_container(hook, name)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    assert {line.strip() for line in proc.stdout.splitlines()} >= GPU_SEES, proc.stdout
-    events = [event for event in map(json.loads, log.read_text().splitlines()) if event.get("container_id") == name]
-    assert "applied" in {event["event"] for event in events}, events
-    assert {event["served_by"] for event in events} == {"gpuhookd"}, events
+        nvidia = "/usr/bin/nvidia-container-runtime-hook"
+        for label, path, argv0 in (("hooksd", registered["path"], registered["args"][0]),
+                                   ("nvidia", nvidia, "nvidia-container-runtime-hook")):
+            name = unique_id(f"pkg-gpuhookd-{label}")
+            hook = {**registered, "path": path, "args": [argv0, "--daemon-socket", socket_path, "prestart"]}
+            proc = installed.run_gpu_container(hook, name)
+            assert proc.returncode == 0, f"{label}: {proc.stdout}\n{proc.stderr}"
+            assert {line.strip() for line in proc.stdout.splitlines()} >= GPU_SEES, proc.stdout
+            events = [e for e in map(json.loads, log.read_text().splitlines()) if e.get("container_id") == name]
+            assert "applied" in {event["event"] for event in events}, events
+            assert {event["served_by"] for event in events} == {"gpuhookd"}, (label, events)
 
 
 @contextmanager

@@ -77,6 +77,7 @@ def test_deb_contents(packages: Packages) -> None:
         "/usr/share/man/man1/gpuhook.1.gz", "/usr/share/doc/gpuhook/changelog.gz",
         "/usr/lib/gpuhook/bin/python", "/usr/lib/gpuhook/bin/gpuhook-hook", "/usr/lib/gpuhook/pyvenv.cfg",
         "/usr/lib/gpuhook/bin/gpuhook-relay", "/usr/lib/gpuhook/bin/gpuhook",
+        "/usr/lib/gpuhook/libexec/nvidia-container-runtime-hook", "/usr/lib/gpuhook/bin/nvidia-container-runtime-hook",
     } <= files
     assert not any("/pip/" in f or f.endswith("/activate") for f in files)
     assert any(f.endswith(".pyc") and "/gpuhook/cli/" in f for f in files)

@@ -17,6 +17,8 @@ from gpuhook.cli.nvidia import translate
         pytest.param(["-config", "/c.toml", "prestart"], ["--config", "/c.toml", "prestart"], id="config-space"),
         pytest.param(["--config=/c", "-debug", "poststop"], ["--config", "/c", "--debug", "poststop"], id="config-eq"),
         pytest.param(["createRuntime"], ["createRuntime"], id="create-runtime"),
+        pytest.param(["--daemon-socket", "none", "prestart"], ["--daemon-socket", "none", "prestart"],
+                     id="daemon-socket"),  # gpuhook's own flag (gpuhook-relay looks for exactly this form)
     ],
 )
 def test_nvidia_argv_is_translated(argv: list[str], expected: list[str]) -> None:

@@ -57,6 +57,14 @@ def test_hooks_d_entry_is_safe_and_matches_the_shipped_file() -> None:
     assert hook == json.loads((PACKAGING / "oci-hooks.d/gpuhook.json").read_text())
 
 
+def test_with_the_relays_installed_engines_run_them() -> None:
+    """The packages' layout: hooks.d runs bin/gpuhook-relay, docker --gpus libexec's relay under NVIDIA's name."""
+    (hooks_d,) = changes("podman", bin_dir=BIN, current={}, relay=True)
+    assert json.loads(hooks_d.content or "")["hook"]["path"] == f"{BIN}/gpuhook-relay"
+    link = next(c for c in changes("docker", bin_dir=BIN, current={}, relay=True) if c.link_to)
+    assert link.link_to == "/usr/lib/gpuhook/libexec/nvidia-container-runtime-hook"
+
+
 def test_broken_daemon_json_is_refused() -> None:
     """A daemon.json that is not a JSON object is never overwritten."""
     with pytest.raises(ConfigError, match="not valid JSON"):

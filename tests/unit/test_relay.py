@@ -62,8 +62,9 @@ def _need_root_and_gcc() -> None:
 
 @pytest.fixture(scope="module")
 def relay_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The relay, built, and the fake Python hook beside it."""
-    where = Path(os.path.realpath(tmp_path_factory.mktemp("relay")))
+    """The relay, built, and the fake Python hook beside it (in a bin directory, as installed)."""
+    where = Path(os.path.realpath(tmp_path_factory.mktemp("relay"))) / "bin"
+    where.mkdir()
     subprocess.run([str(ROOT / "relay" / "build.sh"), str(where / "gpuhook-relay")], check=True)
     (where / "gpuhook").write_text(FALLBACK)
     (where / "gpuhook").chmod(0o755)
@@ -182,8 +183,9 @@ class Run:
 
 
 def run_relay(relay_dir: Path, tmp_path: Path, args: list[str], *, stdin: bytes | int = b"{}",
-              env: dict[str, str] | None = None, preexec_fn: Callable[[], None] | None = None) -> Run:
-    """Run the relay; stdin is bytes (through a file) or an fd."""
+              env: dict[str, str] | None = None, preexec_fn: Callable[[], None] | None = None,
+              program: Path | None = None) -> Run:
+    """Run the relay (or a copy of it, *program*); stdin is bytes (through a file) or an fd."""
     out = tmp_path / "fallback"
     env = {"PATH": "/usr/bin:/bin", "RELAY_TEST_OUT": str(out)} if env is None else env
     if isinstance(stdin, bytes):
@@ -191,7 +193,7 @@ def run_relay(relay_dir: Path, tmp_path: Path, args: list[str], *, stdin: bytes 
         stdin = os.open(tmp_path / "stdin", os.O_RDONLY)
     start = time.monotonic()
     try:
-        proc = subprocess.run([str(relay_dir / "gpuhook-relay"), *args], stdin=stdin, stderr=subprocess.PIPE,
+        proc = subprocess.run([str(program or relay_dir / "gpuhook-relay"), *args], stdin=stdin, stderr=subprocess.PIPE,
                               env=env, timeout=20, check=False, preexec_fn=preexec_fn)
     finally:
         os.close(stdin)
@@ -255,7 +257,8 @@ def test_request_carries_argv_env_state_and_our_view(relay_dir: Path, tmp_path: 
     assert request.kind == b"relay"
     version, argv, environ, got_state = request.parts
     assert version == gpuhook.__version__.encode()
-    assert argv.split(b"\0") == [str(relay_dir / "gpuhook-relay").encode(), *(a.encode() for a in args)]
+    # argv[0] names the command the relay stands for (its file name without -relay), not the path
+    assert argv.split(b"\0") == [b"gpuhook", *(a.encode() for a in args)]
     assert environ == b"\0".join(_entries(env))
     assert got_state == state
     # The relay runs in our namespaces: its fds name the same ones, and the same root.
@@ -312,6 +315,26 @@ def test_declined_runs_the_python_hook(relay_dir: Path, tmp_path: Path, daemon_f
     assert run.fallback_fd0 == "/memfd:gpuhook-state (deleted)"
     assert run.stderr == b""
     assert len(daemon.requests) == 1
+
+
+def test_a_copy_under_nvidias_name_stands_for_nvidias_hook(relay_dir: Path, tmp_path: Path,
+                                                          daemon_factory: StartDaemon) -> None:
+    """libexec/nvidia-container-runtime-hook (docker --gpus): the daemon is told that name (it decodes
+    NVIDIA's flags), and the fallback is bin/nvidia-container-runtime-hook, not gpuhook."""
+    libexec = relay_dir.parent / "libexec"
+    libexec.mkdir(exist_ok=True)
+    program = libexec / "nvidia-container-runtime-hook"
+    shutil.copy2(relay_dir / "gpuhook-relay", program)
+    python_hook = relay_dir / "nvidia-container-runtime-hook"
+    python_hook.write_text(FALLBACK)
+    python_hook.chmod(0o755)
+    daemon = daemon_factory(wire.encode_reply(b"declined", 0, "not a hook call"))
+    env = _env(tmp_path)
+    args = ["-config", "/etc/g.toml", "--daemon-socket", str(daemon.path), "prestart"]
+    run = run_relay(relay_dir, tmp_path, args, stdin=b"{}", env=env, program=program)
+    assert daemon.requests[0].parts[1].split(b"\0")[0] == b"nvidia-container-runtime-hook"
+    assert run.status == FALLBACK_STATUS, run.stderr
+    assert run.fallback_argv == [str(python_hook).encode(), *(a.encode() for a in args)]
 
 
 def test_no_daemon_runs_the_python_hook(relay_dir: Path, tmp_path: Path) -> None:
