@@ -14,13 +14,13 @@ import pytest
 
 from integration.daemons import SYSTEM_PATH, Daemon, import_image, start_dockerd
 from integration.fakehost import FakeHost
+from integration.gpuhookd import Gpuhookd
 from integration.rootfs import build_rootfs
 
 REPO = Path(__file__).parents[2]
 IMAGE: Final = "gpuhook-busybox:test"
 RUNTIME: Final = "gpuhook"
-# The console scripts of the interpreter running the tests (the venv gpuhook is installed in).
-HOOK_SCRIPT: Final = Path(sys.executable).with_name("nvidia-container-runtime-hook")
+# The console script of the interpreter running the tests (the venv gpuhook is installed in).
 RUNTIME_SCRIPT: Final = Path(sys.executable).with_name("gpuhook-runtime")
 
 
@@ -31,14 +31,17 @@ class Docker:
     daemon: Daemon
     image: str
     hook_calls: Path
+    #: the hook log (the simulated host's config)
+    log: Path
 
     def calls(self) -> list[str]:
         """The argv of every call dockerd made to the hook wrapper so far, one string each."""
         return self.hook_calls.read_text().splitlines() if self.hook_calls.exists() else []
 
 
-def write_hook_wrapper(bindir: Path, config: Path, calls: Path) -> Path:
-    """An executable ``nvidia-container-runtime-hook`` in *bindir* that runs gpuhook with *config*."""
+def write_hook_wrapper(bindir: Path, config: Path, calls: Path, hook: Path, *, daemon_socket: str) -> Path:
+    """An executable ``nvidia-container-runtime-hook`` in *bindir* that runs *hook* (NVIDIA's name and
+    flags: the Python script, or gpuhook-relay's copy under that name) with *config* and *daemon_socket*."""
     bindir.mkdir(parents=True, exist_ok=True)
     wrapper = bindir / "nvidia-container-runtime-hook"
     # dockerd calls the hook with only `prestart` and its own environment: pin the config, and
@@ -47,28 +50,34 @@ def write_hook_wrapper(bindir: Path, config: Path, calls: Path) -> Path:
     wrapper.write_text(
         "#!/bin/sh\n"
         f"echo \"$*\" >> {shlex.quote(str(calls))}\n"
-        f"exec env -i PATH={SYSTEM_PATH} {shlex.quote(str(HOOK_SCRIPT))} -config {shlex.quote(str(config))} \"$@\"\n")
+        f"exec env -i PATH={SYSTEM_PATH} {shlex.quote(str(hook))} -config {shlex.quote(str(config))} "
+        f"--daemon-socket {shlex.quote(daemon_socket)} \"$@\"\n")
     wrapper.chmod(0o755)
     return wrapper
 
 
 @pytest.fixture(scope="module")
-def docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost) -> Iterator[Docker]:
-    """A private dockerd: the gpuhook wrapper on its PATH (--gpus), gpuhook-runtime as runtime "gpuhook"."""
+def docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, relay: Path) -> Iterator[Docker]:
+    """A private dockerd: the gpuhook wrapper on its PATH (--gpus: gpuhook-relay under NVIDIA's name, served
+    by a gpuhookd, as the packages install it), gpuhook-runtime as runtime "gpuhook"."""
     if os.geteuid() != 0:
         pytest.fail("the docker tests start a real dockerd and must run as root (make test does)")
-    for script in (HOOK_SCRIPT, RUNTIME_SCRIPT):
-        if not os.access(script, os.X_OK):
-            pytest.fail(f"{script} is missing: install gpuhook into this interpreter's venv (pip install -e .)")
+    if not os.access(RUNTIME_SCRIPT, os.X_OK):
+        pytest.fail(f"{RUNTIME_SCRIPT} is missing: install gpuhook into this interpreter's venv (pip install -e .)")
     rootfs = build_rootfs(REPO / ".cache" / "rootfs")
     base = tmp_path_factory.mktemp("docker")
-    bindir = base / "bin"
     calls = base / "hook-calls"
-    write_hook_wrapper(bindir, host.config_path, calls)
-    daemon = start_dockerd(base / "dockerd", path_dirs=[bindir], env={"GPUHOOK_CONFIG": str(host.config_path)},
-                           runtimes={RUNTIME: RUNTIME_SCRIPT})
+    nvidia_relay = relay.parents[1] / "libexec" / "nvidia-container-runtime-hook"
+    gpuhookd = Gpuhookd(sys.executable, base / "gpuhookd")
     try:
-        import_image(daemon, rootfs, IMAGE)
-        yield Docker(daemon, IMAGE, calls)
+        write_hook_wrapper(base / "bin", host.config_path, calls, nvidia_relay, daemon_socket=gpuhookd.socket)
+        daemon = start_dockerd(base / "dockerd", path_dirs=[base / "bin"],
+                               env={"GPUHOOK_CONFIG": str(host.config_path)}, runtimes={RUNTIME: RUNTIME_SCRIPT})
+        try:
+            import_image(daemon, rootfs, IMAGE)
+            yield Docker(daemon, IMAGE, calls, host.root / "gpuhook.log")
+        finally:
+            daemon.stop()
     finally:
-        daemon.stop()
+        journal = gpuhookd.stop()
+    assert "request failed" not in journal, journal

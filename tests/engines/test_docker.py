@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 from integration.daemons import docker_run
 
 from .conftest import RUNTIME, Docker
+
+
+def log_size(log: Path) -> int:
+    """Where the hook log's next events will start."""
+    return log.stat().st_size if log.exists() else 0
+
+
+def events_after(log: Path, offset: int) -> list[dict[str, Any]]:
+    """The hook log's events past *offset*."""
+    return [json.loads(line) for line in log.read_bytes()[offset:].splitlines()]
 
 # --rm: nothing is left in the daemon; --network none: no network set-up to wait for.
 RUN = ["--rm", "--network", "none"]
@@ -22,7 +36,7 @@ def lines(output: str) -> set[str]:
 
 def test_gpus_device_selects_one_gpu(docker: Docker) -> None:
     """--gpus '"device=1"': dockerd calls the hook; only /dev/nvidia1 is there, libcuda loads."""
-    before = len(docker.calls())
+    before, offset = len(docker.calls()), log_size(docker.log)
     result = docker_run(docker.daemon, [*RUN, "--gpus", '"device=1"', docker.image, "/bin/sh", "-c", PROBE])
     assert result.returncode == 0, result.stderr
     assert {
@@ -31,6 +45,8 @@ def test_gpus_device_selects_one_gpu(docker: Docker) -> None:
         "dlopen libcuda.so.1: OK", "dlopen libnvidia-ml.so.1: OK",
     } <= lines(result.stdout)
     assert docker.calls()[before:] == ["prestart"]  # exactly how dockerd calls it (lab §4)
+    # gpuhook-relay under NVIDIA's name handed it to gpuhookd, which did the work
+    assert {e["served_by"] for e in events_after(docker.log, offset)} == {"gpuhookd"}
 
 
 def test_gpus_all_sees_every_gpu(docker: Docker) -> None:
