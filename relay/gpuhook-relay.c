@@ -8,8 +8,8 @@
  * gpuhook/daemon/wire.py and client.py). It parses no JSON: the daemon does all the work.
  *
  * Whenever the daemon cannot have started the work (no socket, a server that is not root, a
- * failed send, a `declined` reply), it runs the Python hook beside it instead, with the same
- * argv, environment and stdin. Once a request is sent, anything but a reply is an error,
+ * failed send, a `declined` reply), it runs the Python hook it stands for instead (see
+ * find_python_hook), with the same argv, environment and stdin. Once a request is sent, anything but a reply is an error,
  * never a fallback: the work may have been half done and rolled back.
  */
 #include <errno.h>

@@ -224,20 +224,26 @@ def handle(conn: socket.socket, *, request_timeout: float) -> GpuRequest | None:
     try:
         kind, parts, fds = _receive(conn)
     except (OSError, wire.WireError) as err:  # nothing was done: the hook may do it itself
-        reply: Reply | GpuRequest = (b"declined", 0, f"unreadable request: {err}")
-    else:
-        try:
-            uid = _peer_uid(conn)
-            # The socket is 0600 in a 0700 directory; this is the check that does not depend on it.
-            reply = _triage(kind, parts, fds) if uid == 0 else (b"declined", 0, f"peer uid {uid} is not root")
-        finally:
-            if not isinstance(reply, GpuRequest):
-                _close_all(fds)
+        _answer(conn, (b"declined", 0, f"unreadable request: {err}"))
+        return None
+    try:
+        uid = _peer_uid(conn)
+        # The socket is 0600 in a 0700 directory; this is the check that does not depend on it.
+        reply = _triage(kind, parts, fds) if uid == 0 else (b"declined", 0, f"peer uid {uid} is not root")
+    except BaseException:
+        _close_all(fds)
+        raise
     if isinstance(reply, GpuRequest):
-        return reply
+        return reply  # it owns the fds now
+    _close_all(fds)
+    _answer(conn, reply)
+    return None
+
+
+def _answer(conn: socket.socket, reply: Reply) -> None:
+    """Send *reply*; the request is over (its alarm too)."""
     conn.sendall(wire.encode_reply(*reply))
     signal.alarm(0)
-    return None
 
 
 def _triage(kind: bytes, parts: list[bytes], fds: list[int]) -> Reply | GpuRequest:  # noqa: PLR0911 - one per outcome

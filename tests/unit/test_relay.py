@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 import gpuhook
+from gpuhook.cli.hygiene import check_environment
 from gpuhook.daemon import wire
+from gpuhook.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_LIMIT = 1 << 20
@@ -41,8 +43,6 @@ for name, data in (("argv", open("/proc/self/cmdline", "rb").read()), ("env", op
         f.write(data)
 sys.exit(7)
 """
-TRIPWIRE = ("gpuhook: the hook's environment sets {}; they can inject code into a root process (CVE-2025-23266). "
-            "Register the hook with an explicit env such as [\"PATH=/usr/sbin:/usr/bin:/sbin:/bin\"]\n")
 NS_NAMES = ("mnt", "cgroup", "pid", "user")
 
 if TYPE_CHECKING:
@@ -444,7 +444,10 @@ def test_loader_and_interpreter_variables_are_refused(relay_dir: Path, tmp_path:
     daemon = daemon_factory(wire.encode_reply(b"done", 0, ""))
     run = run_relay(relay_dir, tmp_path, ["--daemon-socket", str(daemon.path), "prestart"],
                     env=_env(tmp_path, **extra))
-    assert (run.status, run.stderr.decode(), run.fallback_argv) == (1, TRIPWIRE.format(names), None)
+    with pytest.raises(ConfigError) as python_hooks:  # the relay says what the Python hook says, word for word
+        check_environment(extra)
+    assert names in str(python_hooks.value)
+    assert (run.status, run.stderr.decode(), run.fallback_argv) == (1, f"gpuhook: {python_hooks.value}\n", None)
     daemon.close()
     assert daemon.connections == 0
 
