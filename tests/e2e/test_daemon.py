@@ -23,7 +23,7 @@ from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
 
 from ..unit.test_fast_path import ALLOWED as NO_GPU_PATH
-from .conftest import MakeContainer, hook_entry
+from .conftest import MakeContainer, hook_entry, relay_entry
 from .test_hook import PROBE, TWO_GPUS, lines
 
 def open_up(path: Path) -> None:
@@ -89,13 +89,16 @@ def _ppid(pid: int) -> int:
 
 
 @pytest.mark.parametrize("engine", ["runc", "crun", "runc-cgroup2"])
-def test_daemon_gives_the_same_gpus(make_container: MakeContainer, host: FakeHost, daemon: Gpuhookd,
-                                    engine: str) -> None:
+@pytest.mark.parametrize("front", ["python-hook", "relay"])
+def test_daemon_gives_the_same_gpus(make_container: MakeContainer, host: FakeHost, daemon: Gpuhookd, relay: Path,
+                                    engine: str, front: str) -> None:
     """The worker does what the in-process hook does, in the hook's namespaces: crun and runc-cgroup2
     run in private mount namespaces (runc-cgroup2's cgroup2 mount exists only there), so the worker
-    must enter them to find the bundle, the rootfs and the cgroup."""
+    must enter them to find the bundle, the rootfs and the cgroup; for gpuhook-relay it also reads
+    config.json through the hook's root."""
     offset = log_size(host)
-    hook = hook_entry(host.config_path, "--debug", "--daemon-socket", daemon.socket, "prestart")
+    argv = ("--debug", "--daemon-socket", daemon.socket, "prestart")
+    hook = relay_entry(relay, host.config_path, *argv) if front == "relay" else hook_entry(host.config_path, *argv)
     result = make_container(PROBE, TWO_GPUS, engine=engine, hook=hook).run()
     assert result.returncode == 0, result.stderr
     assert {
@@ -110,10 +113,13 @@ def test_daemon_gives_the_same_gpus(make_container: MakeContainer, host: FakeHos
     assert [e["modules"] for e in events if e["event"] == "request_imports"] == [[]]
 
 
-def test_refusal_comes_back_and_leaves_nothing(make_container: MakeContainer, host: FakeHost,
-                                               daemon: Gpuhookd) -> None:
-    """A refused request: the runtime shows gpuhook's message; the rootfs is unchanged."""
-    hook = hook_entry(host.config_path, "--daemon-socket", daemon.socket, "prestart")
+@pytest.mark.parametrize("front", ["python-hook", "relay"])
+def test_refusal_comes_back_and_leaves_nothing(make_container: MakeContainer, host: FakeHost, daemon: Gpuhookd,
+                                               relay: Path, front: str) -> None:
+    """A refused request: the runtime shows gpuhook's message (the relay's exit status and stderr are
+    the daemon's); the rootfs is unchanged."""
+    argv = ("--daemon-socket", daemon.socket, "prestart")
+    hook = relay_entry(relay, host.config_path, *argv) if front == "relay" else hook_entry(host.config_path, *argv)
     container = make_container("true", {"NVIDIA_VISIBLE_DEVICES": "9"}, hook=hook)
     before = tree_snapshot(container.rootfs)
     offset = log_size(host)
