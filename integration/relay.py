@@ -50,3 +50,8 @@ def install_relay(bin_dir: Path, python: Path | str) -> Path:
         launcher.write_text(launcher_text(python, entry))
         launcher.chmod(0o755)
     return relay
+
+
+def relay_for(relay: Path, command: str) -> Path:
+    """The relay standing for *command* in the layout of *relay* (``bin/gpuhook-relay``) made by install_relay."""
+    return relay.parents[1] / COMMANDS[command][0]

@@ -18,6 +18,7 @@ from gpuhook.daemon import client, wire
 from integration.engines import default_spec, write_bundle
 from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
+from integration.relay import relay_for
 
 from .conftest import HOOK_ENV, MakeContainer, relay_entry
 from .test_daemon import events_after, log_size
@@ -30,7 +31,7 @@ def test_relay_under_nvidias_name(make_container: MakeContainer, host: FakeHost,
                                   relay: Path) -> None:
     """The package's libexec/nvidia-container-runtime-hook (the relay, found on dockerd's PATH for
     ``--gpus``) takes NVIDIA's flags: gpuhookd decodes them and serves the GPUs."""
-    nvidia = relay.parents[1] / "libexec" / "nvidia-container-runtime-hook"
+    nvidia = relay_for(relay, "nvidia-container-runtime-hook")
     offset = log_size(host)
     hook = {"path": str(nvidia), "args": ["nvidia-container-runtime-hook", "-config", str(host.config_path),
                                           "--daemon-socket", daemon.socket, "prestart"], "env": HOOK_ENV}

@@ -15,6 +15,7 @@ import pytest
 from integration.daemons import SYSTEM_PATH, Daemon, import_image, start_dockerd
 from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
+from integration.relay import relay_for
 from integration.rootfs import build_rootfs
 
 REPO = Path(__file__).parents[2]
@@ -67,7 +68,7 @@ def docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, relay: Path
     rootfs = build_rootfs(REPO / ".cache" / "rootfs")
     base = tmp_path_factory.mktemp("docker")
     calls = base / "hook-calls"
-    nvidia_relay = relay.parents[1] / "libexec" / "nvidia-container-runtime-hook"
+    nvidia_relay = relay_for(relay, "nvidia-container-runtime-hook")
     gpuhookd = Gpuhookd(sys.executable, base / "gpuhookd")
     try:
         write_hook_wrapper(base / "bin", host.config_path, calls, nvidia_relay, daemon_socket=gpuhookd.socket)
