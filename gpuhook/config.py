@@ -12,6 +12,7 @@ path never pays for it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,11 +20,25 @@ from pathlib import Path
 from typing import Any, Final
 
 from gpuhook.errors import ConfigError
+from gpuhook.planning.health import HealthPolicy
+
+# HealthPolicy is defined in core (the planner applies it) and re-exported with the other settings' types.
+__all__ = [
+    "DEFAULT_PATH", "ENV_VAR", "Config", "HealthPolicy", "LogLevel", "load_config", "parse_config", "parse_flat_yaml",
+    "resolve_config_path",
+]
 
 DEFAULT_PATH: Final = Path("/etc/gpuhook/config.yaml")
 ENV_VAR: Final = "GPUHOOK_CONFIG"
-LOG_LEVELS: Final = ("debug", "info", "warning", "error")
-HEALTH_POLICIES: Final = ("refuse", "warn", "ignore")
+
+
+class LogLevel(enum.StrEnum):
+    """The least severe event written to the log (a str, so the log module takes it as a level name)."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,7 +59,7 @@ class Config:
     #: where the host inventory cache lives (a root-owned directory, ideally on tmpfs so a
     #: reboot empties it); None disables the cache and every GPU container start asks NVML
     cache_dir: Path | None = Path("/run/gpuhook")
-    log_level: str = "info"
+    log_level: LogLevel = LogLevel.INFO
     #: NVIDIA's accept-nvidia-visible-devices-envvar-when-unprivileged
     accept_envvar_when_unprivileged: bool = True
     #: NVIDIA's accept-nvidia-visible-devices-as-volume-mounts (device-plugin "volume-mounts")
@@ -54,8 +69,8 @@ class Config:
     accept_cdi_annotations: bool = False
     #: leave the device cgroup alone (rootless, or when the runtime already allows the devices)
     no_cgroups: bool = False
-    #: a selected GPU with a critical Xid or pending memory repairs: "refuse", "warn" or "ignore"
-    unhealthy_gpus: str = "refuse"
+    #: a selected GPU with a critical Xid or pending memory repairs: refuse, warn or ignore
+    unhealthy_gpus: HealthPolicy = HealthPolicy.REFUSE
     #: use the image's /usr/local/cuda/compat libraries when they are newer than the host driver
     cuda_compat: bool = True
     #: the longest the privileged step (mounts, nodes, ldconfig) may take
@@ -68,6 +83,8 @@ _OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir")  # null disables the feat
 _BOOL_KEYS: Final = (
     "accept_envvar_when_unprivileged", "accept_volume_mounts", "accept_cdi_annotations", "no_cgroups", "cuda_compat",
 )
+#: settings that take one of an enum's values (the YAML holds the value, Config the member)
+_ENUM_KEYS: Final[dict[str, type[enum.StrEnum]]] = {"log_level": LogLevel, "unhealthy_gpus": HealthPolicy}
 
 
 def resolve_config_path(explicit: str | None, env: Mapping[str, str]) -> tuple[Path, bool]:
@@ -119,8 +136,8 @@ _LINE: Final = re.compile(r"""([a-z_]+):(?: +(?:([^#'"\s]*)|"([ !#-\[\]-~]*)"|'(
 _SCALARS: Final[dict[str, Any]] = {
     "": None, "~": None, "null": None, "Null": None, "NULL": None,
     "true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False,
-    **{level: level for level in LOG_LEVELS},
-    **{policy: policy for policy in HEALTH_POLICIES},
+    # the enum settings' words, as the plain strings PyYAML reads them
+    **{member.value: member.value for kind in _ENUM_KEYS.values() for member in kind},
 }
 
 
@@ -169,14 +186,12 @@ def _convert(key: str, value: Any, source: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
         return value
-    if key == "unhealthy_gpus":
-        if value not in HEALTH_POLICIES:
-            raise ConfigError(f"{where} must be one of {', '.join(HEALTH_POLICIES)}, got {value!r}")
-        return value
-    if key == "log_level":
-        if value not in LOG_LEVELS:
-            raise ConfigError(f"{where} must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
-        return value
+    if key in _ENUM_KEYS:
+        kind = _ENUM_KEYS[key]
+        values = [member.value for member in kind]
+        if not isinstance(value, str) or value not in values:
+            raise ConfigError(f"{where} must be one of {', '.join(values)}, got {value!r}")
+        return kind(value)
     if key == "timeout_seconds":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 600:
             raise ConfigError(f"{where} must be a number of seconds in (0, 600], got {value!r}")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 
 class Verdict(enum.StrEnum):
@@ -37,14 +38,23 @@ class Check:
         return f"{line}\n       fix: {self.fix}" if self.fix else line
 
 
-def cgroup_mode(mountinfo: str) -> str:
-    """'v2' (unified), 'hybrid' (v1 controllers plus a cgroup2 mount) or 'v1', from the hook's mountinfo."""
-    kinds: dict[str, str] = {}
-    for line in mountinfo.splitlines():
-        head, _, tail = line.partition(" - ")
-        fields, tail_fields = head.split(), tail.split()
-        if len(fields) >= 5 and tail_fields:
-            kinds[fields[4]] = tail_fields[0]
+class Mount(Protocol):
+    """What the cgroup checks read of one mount (``gpuhook.sys.mountinfo.MountInfo`` rows have it)."""
+
+    @property
+    def mount_point(self) -> str:
+        """Where the mount is attached."""
+        ...
+
+    @property
+    def fs_type(self) -> str:
+        """Its filesystem type (``cgroup``, ``cgroup2``, ...)."""
+        ...
+
+
+def cgroup_mode(mounts: Iterable[Mount]) -> str:
+    """'v2' (unified), 'hybrid' (v1 controllers plus a cgroup2 mount) or 'v1', from the hook's mounts in mount order."""
+    kinds = {row.mount_point: row.fs_type for row in mounts}  # a later mount covers an earlier one
     if kinds.get("/sys/fs/cgroup") == "cgroup2":
         return "v2"
     has_v1 = any(kind == "cgroup" for kind in kinds.values())

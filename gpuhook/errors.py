@@ -1,32 +1,65 @@
 """The one error tree of gpuhook.
 
-Every failure the hook reports is one of these; the CLI maps them to exit
-status 1 and one line on stderr (runc shows a hook's stderr to the user)::
+Every failure gpuhook reports is one of these; each front-end turns one into exit status 1
+(2 for a malformed command line) and one ``gpuhook: ...`` line on stderr (runc shows a
+hook's stderr to the user)::
 
     GpuHookError
-    ├── ConfigError          bad gpuhook.yaml or command-line arguments
-    ├── SpecError            bad OCI state on stdin or bad bundle config.json
-    ├── RequestError         bad NVIDIA_* values in the container's environment
+    ├── ConfigError              bad gpuhook.yaml, or a setting that cannot work here
+    │   ├── UsageError           a malformed command line (exit status 2)
+    │   └── UnsafeEnvironmentError  loader/interpreter variables in a root process's environment
+    ├── SpecError                bad OCI state on stdin or bad bundle config.json
+    ├── RequestError             bad NVIDIA_* values in the container's environment
     │   └── UnknownDeviceError   a requested GPU that this host does not have
-    ├── DiscoveryError       NVML, ld.so.cache, the host's driver files
+    ├── DiscoveryError           NVML, ld.so.cache, the host's driver files
     │   └── LdCacheFormatError   (also a ValueError) a corrupt ld.so.cache
-    └── ApplyError           a privileged step failed (names the step and path)
+    ├── ApplyError               a privileged step failed (names the step and path)
+    └── DaemonError              gpuhookd took a request and gave no complete answer
 
-Messages name the offending value, what was expected and, where one exists,
-the fix.
+Errors cross process boundaries (the apply child's report, gpuhookd's reply, a pickled job),
+so each one serialises both ways: ``to_dict`` / ``error_from_dict`` and pickle. Messages name
+the offending value, what was expected and, where one exists, the fix.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+
+TYPE_CHECKING = False  # typing costs ~3 ms of every no-GPU start, which imports this module
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class GpuHookError(Exception):
-    """Base class of every error gpuhook reports."""
+    """Base class of every error gpuhook reports: one message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+    def fields(self) -> dict[str, Any]:
+        """The keyword arguments that rebuild this error (the message, for most)."""
+        return {"message": str(self)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the class name and the fields."""
+        return {"kind": type(self).__name__, **self.fields()}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception's default pickling calls cls(*args), which breaks for keyword-only fields.
+        return (_rebuild, (type(self).__name__, self.fields()))
 
 
 class ConfigError(GpuHookError):
     """The gpuhook configuration or the command line is invalid."""
+
+
+class UsageError(ConfigError):
+    """A malformed command line: exit status 2, as argparse and NVIDIA's argp use."""
+
+
+class UnsafeEnvironmentError(ConfigError):
+    """A root process found loader or interpreter variables in its own environment."""
 
 
 class SpecError(GpuHookError):
@@ -53,12 +86,63 @@ class ApplyError(GpuHookError):
     """A privileged step failed; carries the step, the path and the errno."""
 
     def __init__(self, step: str, path: str, *, errno_: int | None = None, detail: str = "") -> None:
-        super().__init__(step, path, errno_, detail)
         self.step = step
         self.path = path
         self.errno = errno_
         self.detail = detail
+        super().__init__(self._render())
 
-    def __str__(self) -> str:
+    def _render(self) -> str:
         why = self.detail or (os.strerror(self.errno) if self.errno else "failed")
         return f"{self.step} {self.path}: {why}"
+
+    def __str__(self) -> str:
+        return self._render()  # detail may be extended after a failed rollback
+
+    def fields(self) -> dict[str, Any]:
+        """The step, path, errno and detail."""
+        return {"step": self.step, "path": self.path, "errno_": self.errno, "detail": self.detail}
+
+
+class DaemonError(GpuHookError):
+    """gpuhookd took the request but its answer never came whole; the work may have begun."""
+
+
+_KINDS = {cls.__name__: cls for cls in (
+    GpuHookError, ConfigError, UsageError, UnsafeEnvironmentError, SpecError, RequestError, UnknownDeviceError,
+    DiscoveryError, LdCacheFormatError, ApplyError, DaemonError,
+)}
+
+
+def error_from_dict(data: Any) -> GpuHookError:
+    """The error *data* (from ``to_dict``) describes; anything malformed becomes a plain GpuHookError."""
+    if not isinstance(data, dict):
+        return GpuHookError(f"garbled error report {str(data)[:200]!r}")
+    cls = _KINDS.get(str(data.get("kind")), GpuHookError)
+    fields = {k: v for k, v in data.items() if k != "kind"}
+    try:
+        return cls(**fields)
+    except TypeError:
+        return GpuHookError(str(fields.get("message") or fields)[:1000])
+
+
+def _rebuild(kind: str, fields: dict[str, Any]) -> GpuHookError:
+    """Unpickle an error by its class name and fields."""
+    return error_from_dict({"kind": kind, **fields})
+
+
+def failure_line(err: GpuHookError) -> str:
+    """The one line a user sees for *err*."""
+    return f"gpuhook: {err}"
+
+
+def report_failure(err: GpuHookError) -> str:
+    """Log *err* as one ``hook_failed`` event (when this process set up logging) and return its user line.
+
+    Every front-end reports through this, and prints the line (gpuhookd sends it back to the hook).
+    The log module is looked up, not imported: a refused no-GPU start never loads it.
+    """
+    log = sys.modules.get("gpuhook.log")
+    if log is not None and log.is_configured():
+        log.get_logger().error("hook_failed", kind=type(err).__name__, error=str(err))
+    return failure_line(err)

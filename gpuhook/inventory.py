@@ -1,8 +1,18 @@
-"""The host's GPU inventory: pure values shared by discovery and planning.
+"""The host's GPU inventory and the facts read fresh at each start: pure values shared by discovery and planning.
 
-Discovery builds an ``Inventory`` (or loads it from the inventory cache); the
-planner only reads it. Host paths here are absolute paths on the host, already
+Discovery builds an ``Inventory`` (or loads it from the inventory cache) and
+reads ``LiveFacts`` beside it; the planner only reads both. The split is by how
+fast a fact changes: the ``Inventory`` holds what only changes with the driver
+(NVML's answers, the driver's files, the GPU nodes) and is cached; ``LiveFacts``
+holds what comes and goes while the driver stays (IMEX channels and gated
+nodes, Xid errors, the MIG instances and their capability nodes), read at each
+start without NVML. Host paths here are absolute paths on the host, already
 resolved inside the configured driver/dev/proc roots.
+
+A MIG device's UUID comes only from NVML, so the inventory keeps the MIG
+devices NVML reported; ``narrow_to_live`` drops those the live layout no longer
+has, and ``unseen_instances`` names live instances NVML was never asked about
+(discovery asks it again when a start needs one; see gpuhook.discovery.cache).
 
 ``Inventory.to_dict``/``Inventory.from_dict`` are the JSON form the cache
 stores. The cache is written by root, but ``from_dict`` still checks every
@@ -13,7 +23,7 @@ half-filled inventory.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,6 +64,16 @@ class MigDevice:
     gi: int
     ci: int
     name: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, order=True)
+class MigInstance:
+    """A compute instance that exists now, as /proc/driver/nvidia/capabilities shows it (no NVML)."""
+
+    #: the parent GPU's device minor (capabilities name GPUs by minor: ``gpu<minor>/mig/...``)
+    gpu_minor: int
+    gi: int
+    ci: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,16 +121,14 @@ class Inventory:
     libraries32: tuple[DriverFile, ...] = ()
     #: config files the driver installs (Vulkan ICD, EGL vendor, OpenCL ICD); name = path in the container
     configs: tuple[DriverFile, ...] = ()
-    #: IMEX channels and the feature-gated devices (GDS, MOFED, NVSwitch, GDRCopy); read fresh on each
-    #: start that asks for them, never cached (they come and go with modules, independent of the driver)
-    extra_nodes: tuple[HostDevice, ...] = ()
+    #: the MIG devices NVML reported when the inventory was built (``narrow_to_live`` keeps those that still exist)
     mig_devices: tuple[MigDevice, ...] = ()
+    #: the MIG instances that existed when NVML was asked: with mig_devices, what NVML has been asked about
+    #: (an instance it did not report stays unreported, rather than sending every start back to NVML)
+    mig_layout: tuple[MigInstance, ...] = ()
     #: /proc/driver/nvidia-caps/mig-minors for this host's GPUs: ("gpu0/gi7/access", 66), ("config", 1), ...
+    #: (the driver lists every capability it can grant, existing or not: it changes only with the driver)
     mig_minors: tuple[tuple[str, int], ...] = ()
-    #: /dev/nvidia-caps/nvidia-capN nodes (name "nvidia-caps/nvidia-capN")
-    caps_nodes: tuple[HostDevice, ...] = ()
-    #: critical Xid errors in the kernel log, per PCI bus id ("0000:18:00"); read fresh, never cached
-    xid_errors: tuple[tuple[str, int], ...] = ()
 
     def gpu_node(self, minor: int) -> HostDevice | None:
         """The host's /dev/nvidia<minor>, if it exists."""
@@ -136,8 +154,8 @@ class Inventory:
             "libraries32": [_file_dict(f) for f in self.libraries32],
             "mig_devices": [{"parent_index": m.parent_index, "index": m.index, "uuid": m.uuid, "gi": m.gi,
                              "ci": m.ci, "name": m.name} for m in self.mig_devices],
+            "mig_layout": [[i.gpu_minor, i.gi, i.ci] for i in self.mig_layout],
             "mig_minors": [[name, minor] for name, minor in self.mig_minors],
-            "caps_nodes": [_device_dict(n) for n in self.caps_nodes],
             "proc_driver": None if proc is None else {
                 "host_dir": str(proc.host_dir),
                 "files": [[name, text] for name, text in proc.files],
@@ -162,14 +180,76 @@ class Inventory:
             configs=_items(data, "configs", _file),
             libraries32=_items(data, "libraries32", _file),
             mig_devices=_items(data, "mig_devices", _mig),
+            mig_layout=_items(data, "mig_layout", _instance),
             mig_minors=_items(data, "mig_minors", _name_and_minor),
-            caps_nodes=_items(data, "caps_nodes", _device),
             proc_driver=None if proc is None else ProcDriver(
                 host_dir=_path(proc, "host_dir"),
                 files=_items(proc, "files", _name_and_text),
                 gpu_dirs=_items(proc, "gpu_dirs", _str),
             ),
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LiveNeeds:
+    """Which live facts a start reads (each costs a few reads at every start; none costs NVML)."""
+
+    #: IMEX channels and gated nodes (the request names IMEX channels or NVIDIA_<NAME>=enabled)
+    extra_nodes: bool = False
+    #: the kernel log's Xid errors (the health policy looks at them)
+    xids: bool = False
+    #: the MIG layout and capability nodes (the request may select MIG devices or MIG capabilities)
+    mig: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LiveFacts:
+    """What is read fresh at every GPU start, without NVML, and never cached."""
+
+    #: IMEX channels and the feature-gated devices (GDS, MOFED, NVSwitch, GDRCopy): they come and go with
+    #: modules, independent of the driver
+    extra_nodes: tuple[HostDevice, ...] = ()
+    #: critical Xid errors in the kernel log, per PCI bus key (``bus_key``)
+    xid_errors: tuple[tuple[str, int], ...] = ()
+    #: the compute instances under /proc/driver/nvidia/capabilities now; None: not read (MIG not asked for)
+    mig_instances: frozenset[MigInstance] | None = None
+    #: /dev/nvidia-caps/nvidia-capN nodes (name "nvidia-caps/nvidia-capN"): made as MIG instances are
+    caps_nodes: tuple[HostDevice, ...] = ()
+
+
+def mig_instance(inventory: Inventory, mig: MigDevice) -> MigInstance:
+    """The live-layout name of one of *inventory*'s MIG devices."""
+    return MigInstance(gpu_minor=inventory.gpus[mig.parent_index].minor, gi=mig.gi, ci=mig.ci)
+
+
+def narrow_to_live(inventory: Inventory, live: LiveFacts) -> Inventory:
+    """*inventory* with only the MIG devices that exist now, numbered per parent as NVML would number them.
+
+    NVML's ``G:M`` is a device's position among its parent's existing MIG devices, so a destroyed
+    instance moves the later ones down. Idempotent; unchanged when the layout was not read.
+    """
+    if live.mig_instances is None:
+        return inventory
+    kept: list[MigDevice] = []
+    positions: dict[int, int] = {}
+    for mig in inventory.mig_devices:
+        if mig_instance(inventory, mig) not in live.mig_instances:
+            continue
+        position = positions.get(mig.parent_index, 0)
+        positions[mig.parent_index] = position + 1
+        kept.append(mig if mig.index == position else replace(mig, index=position))
+    if tuple(kept) == inventory.mig_devices:
+        return inventory
+    return replace(inventory, mig_devices=tuple(kept))
+
+
+def unseen_instances(inventory: Inventory, live: LiveFacts) -> tuple[MigInstance, ...]:
+    """Live MIG instances on *inventory*'s GPUs that NVML was never asked about (only NVML knows their UUIDs)."""
+    if live.mig_instances is None:
+        return ()
+    minors = {gpu.minor for gpu in inventory.gpus}
+    seen = {*inventory.mig_layout, *(mig_instance(inventory, m) for m in inventory.mig_devices)}
+    return tuple(sorted(i for i in live.mig_instances if i.gpu_minor in minors and i not in seen))
 
 
 # --- JSON form helpers (strict: bool is not an int, paths are absolute) -----------------------
@@ -253,3 +333,11 @@ def _name_and_minor(value: Any) -> tuple[str, int]:
     if not isinstance(value, list) or len(value) != 2 or not isinstance(value[1], int) or isinstance(value[1], bool):
         raise ValueError("inventory: expected a [name, minor] pair")
     return _str(value[0]), value[1]
+
+
+def _instance(value: Any) -> MigInstance:
+    """A [gpu minor, gi, ci] triple."""
+    if (not isinstance(value, list) or len(value) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        raise ValueError("inventory: expected a [gpu minor, gi, ci] triple")
+    return MigInstance(gpu_minor=value[0], gi=value[1], ci=value[2])

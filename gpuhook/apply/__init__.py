@@ -27,13 +27,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuhook import linux
 from gpuhook.apply import cgroups
 from gpuhook.apply.children import wait_child
 from gpuhook.apply.ldconfig import open_ldconfig, run_ldconfig
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.errors import ApplyError
 from gpuhook.planning.plan import BindMount, CudaCompat, Plan, ProcDriverMount
+from gpuhook.sys import process, syscalls
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def _shared_namespaces(pid: int) -> int:
     """The CLONE_NEW* flags of the network, IPC and UTS namespaces the container shares with us
     (``--net=host`` and the like): ldconfig gets fresh ones of those, the container's own otherwise."""
     shared = 0
-    for name, flag in (("net", linux.CLONE_NEWNET), ("ipc", linux.CLONE_NEWIPC), ("uts", linux.CLONE_NEWUTS)):
+    for name, flag in (("net", syscalls.CLONE_NEWNET), ("ipc", syscalls.CLONE_NEWIPC), ("uts", syscalls.CLONE_NEWUTS)):
         try:
             if os.stat(f"/proc/{pid}/ns/{name}").st_ino == os.stat(f"/proc/self/ns/{name}").st_ino:
                 shared |= flag
@@ -177,10 +177,10 @@ def _child_main(
     child it forked ahead (a child forked ahead by gpuhookd).
     """
     try:
-        linux.prctl(linux.PR_SET_DUMPABLE, 0)  # no ptrace or /proc/<pid>/mem access from the container
-        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # a hook killed by the runtime takes us along
+        process.prctl(process.PR_SET_DUMPABLE, 0)  # no ptrace or /proc/<pid>/mem access from the container
+        process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)  # a hook killed by the runtime takes us along
         if view is not None:
-            linux.enter_mount_view(*view)
+            syscalls.enter_mount_view(*view)
             for fd in view:
                 os.close(fd)
         skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, ldconfig_ahead)
@@ -210,7 +210,7 @@ def _apply_in_container(
     proc_trees = [_host_tree(BindMount(source=host_path, target="")) for host_path, _ in proc_binds]
     ldconfig_fd = open_ldconfig(ldconfig) if plan.ldconfig else None
     shared = _shared_namespaces(container.pid)  # read in the hook's view, before entering the container
-    linux.setns(pidfd, linux.CLONE_NEWNS)
+    syscalls.setns(pidfd, syscalls.CLONE_NEWNS)
     fs = RootFs(_open_rootfs(container))
     skipped: list[str] = []
     try:
@@ -294,11 +294,11 @@ def _cuda_compat(fs: RootFs, compat: CudaCompat) -> tuple[bool, str]:
 
 def _host_tree(mount: BindMount) -> int:
     """A detached, read-only clone of a host file or directory (made in the host namespace)."""
-    flags = linux.OPEN_TREE_CLONE | linux.OPEN_TREE_CLOEXEC | linux.AT_SYMLINK_NOFOLLOW
+    flags = syscalls.OPEN_TREE_CLONE | syscalls.OPEN_TREE_CLOEXEC | syscalls.AT_SYMLINK_NOFOLLOW
     try:
-        fd = linux.open_tree(-100, mount.source, flags)  # AT_FDCWD
-        attrs = linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV
-        linux.mount_setattr(fd, attrs | (linux.MOUNT_ATTR_NOEXEC if mount.noexec else 0), what=mount.source)
+        fd = syscalls.open_tree(-100, mount.source, flags)  # AT_FDCWD
+        attrs = syscalls.MOUNT_ATTR_RDONLY | syscalls.MOUNT_ATTR_NOSUID | syscalls.MOUNT_ATTR_NODEV
+        syscalls.mount_setattr(fd, attrs | (syscalls.MOUNT_ATTR_NOEXEC if mount.noexec else 0), what=mount.source)
     except OSError as err:
         raise ApplyError("open host file", mount.source, errno_=err.errno) from err
     return fd
@@ -312,10 +312,10 @@ def _mask_proc_driver(fs: RootFs, proc: ProcDriverMount, trees: list[int]) -> bo
     target = fs.try_open(proc.target, os.O_PATH | os.O_DIRECTORY)
     if target is None:
         return False
-    attrs = linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV | linux.MOUNT_ATTR_NOEXEC
+    attrs = syscalls.MOUNT_ATTR_NOSUID | syscalls.MOUNT_ATTR_NODEV | syscalls.MOUNT_ATTR_NOEXEC
     binds = [(f"gpus/{name}", True) for _, name in proc.gpu_dirs] + [(rel, False) for _, rel in proc.cap_files]
     try:
-        tmp = linux.fsmount_tmpfs({"mode": "0555", "size": "1m"}, attrs)
+        tmp = syscalls.fsmount_tmpfs({"mode": "0555", "size": "1m"}, attrs)
         # Fill it while it is still detached: nothing in the container can see or race it.
         for name, text in proc.files:
             fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o444, dir_fd=tmp)
@@ -324,7 +324,7 @@ def _mask_proc_driver(fs: RootFs, proc: ProcDriverMount, trees: list[int]) -> bo
         os.mkdir("gpus", 0o555, dir_fd=tmp)
         for rel, is_dir in binds:  # mount points for the host's per-GPU dirs and MIG capability files
             _make_path(tmp, rel, is_dir)
-        linux.mount_setattr(tmp, linux.MOUNT_ATTR_RDONLY | attrs, what=proc.target)
+        syscalls.mount_setattr(tmp, syscalls.MOUNT_ATTR_RDONLY | attrs, what=proc.target)
     except OSError as err:
         raise ApplyError("mount tmpfs", proc.target, errno_=err.errno) from err
     fs.attach(tmp, target, proc.target)

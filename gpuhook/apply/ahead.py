@@ -16,8 +16,7 @@ import os
 import signal
 import socket
 
-from gpuhook import linux
-from gpuhook.daemon import wire
+from gpuhook.sys import fdpass, process
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -69,7 +68,7 @@ class ChildAhead:
         if channel is None:
             raise RuntimeError("this child was already started or cancelled")
         try:
-            sent = channel.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, wire.pack_fds(fds))])
+            sent = channel.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fdpass.pack_fds(fds))])
             channel.sendall(payload[sent:])
         finally:
             channel.close()  # end of payload
@@ -87,7 +86,7 @@ class ChildAhead:
 def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: int, priority: int,
                    prepare: Prepare | None) -> int:
     """The child's side: prepare, wait for the payload (or EOF: cancelled), run the work."""
-    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the process that forked us
+    process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the process that forked us
     if os.getppid() != parent:
         return 0
     prepared = prepare((channel.fileno(), report_fd), priority) if prepare is not None else None
@@ -99,7 +98,7 @@ def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: i
         data, ancillary, _, _ = channel.recvmsg(1 << 20, socket.CMSG_SPACE(MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
         for level, kind, raw in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds += wire.unpack_fds(raw)
+                fds += fdpass.unpack_fds(raw)
         if not data:
             break
         chunks.append(data)

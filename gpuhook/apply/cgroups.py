@@ -11,13 +11,14 @@ rollback swaps the original back (``cgroupv2.py``).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Final
 
 from gpuhook.errors import ApplyError
 from gpuhook.planning.plan import CgroupRule
+from gpuhook.sys.mountinfo import MountInfo, read_mountinfo
 
 NOT_FOUND: Final = (
     "has neither a v1 devices cgroup nor a cgroup2 directory the hook can see; "
@@ -45,35 +46,22 @@ def parse_cgroup_file(text: str) -> dict[str, str]:
     return out
 
 
-def cgroup_mounts(mountinfo: str, *, v2: bool) -> list[tuple[str, str]]:
+def cgroup_mounts(mounts: Iterable[MountInfo], *, v2: bool) -> list[tuple[str, str]]:
     """(mount root, mount point) of the v1 devices hierarchies, or of the cgroup2 ones, in mount order."""
-    found = []
-    for line in mountinfo.splitlines():
-        head, _, tail = line.partition(" - ")
-        fields, tail_fields = head.split(), tail.split()
-        if len(fields) < 5 or len(tail_fields) < 3:
-            continue
-        if (v2 and tail_fields[0] == "cgroup2") or (
-            not v2 and tail_fields[0] == "cgroup" and "devices" in tail_fields[2].split(",")
-        ):
-            found.append((_unescape(fields[3]), _unescape(fields[4])))
-    return found
-
-
-def _unescape(field: str) -> str:
-    """mountinfo octal escapes (\\040 for space ...)."""
-    return field.encode().decode("unicode_escape") if "\\" in field else field
+    if v2:
+        return [(row.root, row.mount_point) for row in mounts if row.fs_type == "cgroup2"]
+    return [(row.root, row.mount_point) for row in mounts if row.fs_type == "cgroup" and "devices" in row.super_options]
 
 
 def locate_device_cgroup(pid: int, *, proc: Path = Path("/proc")) -> DeviceCgroup:
     """The cgroup that decides *pid*'s device access; raises ApplyError."""
     try:
         groups = parse_cgroup_file((proc / str(pid) / "cgroup").read_text())
-        mountinfo = (proc / "self" / "mountinfo").read_text()
+        mounts = read_mountinfo(proc=proc)
     except OSError as err:
         raise ApplyError("find device cgroup", f"pid {pid}", errno_=err.errno) from err
     v1 = groups.get("devices")
-    v1_mounts = cgroup_mounts(mountinfo, v2=False)
+    v1_mounts = cgroup_mounts(mounts, v2=False)
     if v1 is not None and v1 != "/" and v1_mounts:
         root, mountpoint = v1_mounts[-1]
         return DeviceCgroup(1, _join(root, mountpoint, v1))
@@ -81,7 +69,7 @@ def locate_device_cgroup(pid: int, *, proc: Path = Path("/proc")) -> DeviceCgrou
     if v2 is not None:
         # A later mount can cover an earlier one (runc in v2 mode mounts cgroup2 over /sys/fs/cgroup):
         # the last hierarchy that holds the container's directory is the visible one.
-        for root, mountpoint in reversed(cgroup_mounts(mountinfo, v2=True)):
+        for root, mountpoint in reversed(cgroup_mounts(mounts, v2=True)):
             path = _join(root, mountpoint, v2)
             if path.is_dir():
                 return DeviceCgroup(2, path)

@@ -17,11 +17,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gpuhook import linux
 from gpuhook.apply.bpfinsn import allow_block, decode, encode, extendable
-from gpuhook.apply.cgroups import Undo
 from gpuhook.errors import ApplyError
 from gpuhook.planning.plan import CgroupRule
+from gpuhook.sys import syscalls
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from gpuhook.apply.cgroups import Undo  # cgroups imports this module when it meets v2: no circle at run time
 
 STEP = "device cgroup (eBPF)"
 
@@ -31,27 +34,27 @@ def grant(path: Path, rules: tuple[CgroupRule, ...]) -> Undo:
     devices = [(r.major, r.minor, r.access) for r in rules]
     try:
         cgroup_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        program_ids = linux.bpf_query_device_programs(cgroup_fd)
+        program_ids = syscalls.bpf_query_device_programs(cgroup_fd)
     except OSError as err:
         raise ApplyError(STEP, str(path), errno_=err.errno) from err
     swapped: list[tuple[int, int]] = []
 
     def undo() -> None:
         for old_fd, new_fd in reversed(swapped):
-            linux.bpf_replace_device_program(cgroup_fd, old_fd, new_fd)
+            syscalls.bpf_replace_device_program(cgroup_fd, old_fd, new_fd)
 
     try:
         for program_id in program_ids:
-            old_fd = linux.bpf_program_fd(program_id)
-            program = decode(linux.bpf_program_instructions(old_fd))
+            old_fd = syscalls.bpf_program_fd(program_id)
+            program = decode(syscalls.bpf_program_instructions(old_fd))
             why = extendable(program)
             if why is not None:
                 raise ApplyError(STEP, str(path), detail=(
                     f"the runtime's device program {program_id} cannot be extended safely: {why}. Refusing rather "
                     "than weakening isolation; use `gpuhook spec-edit` so the runtime allows the GPU devices itself"
                 ))
-            new_fd = linux.bpf_load_device_program(encode((*allow_block(devices), *program)))
-            linux.bpf_replace_device_program(cgroup_fd, new_fd, old_fd)
+            new_fd = syscalls.bpf_load_device_program(encode((*allow_block(devices), *program)))
+            syscalls.bpf_replace_device_program(cgroup_fd, new_fd, old_fd)
             swapped.append((old_fd, new_fd))
     except OSError as err:
         undo()

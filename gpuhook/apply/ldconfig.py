@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, NoReturn
 
-from gpuhook import linux
 from gpuhook.apply.children import wait_child
-from gpuhook.errors import ApplyError
+from gpuhook.errors import ApplyError, SpecError
+from gpuhook.sys import pathrs, process, syscalls
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -164,6 +164,32 @@ def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, pidfd: 
         raise ApplyError("ldconfig", " ".join(dirs), detail=f"{why}: {output.strip()[-500:]}")
 
 
+def update_ldcache(ldconfig: Path, rootfs: Path, dirs: Sequence[str], *, timeout: float) -> None:
+    """Run the host's sealed *ldconfig* over *dirs* in *rootfs*, from inside the container's namespaces.
+
+    For the CDI createContainer hook, which the runtime already runs in the container's mount
+    namespace (where the host's namespaces cannot be told apart): ldconfig joins ours, a no-op,
+    and always gets fresh network, IPC and UTS namespaces. Raises ApplyError or SpecError.
+    """
+    ldconfig_fd = open_ldconfig(ldconfig)
+    try:
+        try:
+            root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as err:
+            raise SpecError(f"cannot open the container rootfs {rootfs}: {err.strerror}") from err
+        try:
+            own = os.pidfd_open(os.getpid())
+            try:
+                fresh = syscalls.CLONE_NEWNET | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS
+                run_ldconfig(ldconfig_fd, root_fd, dirs, pidfd=own, fresh=fresh, timeout=timeout)
+            finally:
+                os.close(own)
+        finally:
+            os.close(root_fd)
+    finally:
+        os.close(ldconfig_fd)
+
+
 def fork_ldconfig_ahead(close: Sequence[int], priority: int) -> ChildAhead:
     """The ldconfig child, forked before it is needed (by gpuhookd's apply child while idle)."""
     from gpuhook.apply.ahead import ChildAhead
@@ -177,7 +203,7 @@ def _ldconfig_from_payload(payload: bytes, fds: list[int], out_fd: int, _: Child
     pidfd, root_fd, ldconfig_fd = fds
     fresh, *argv = payload.decode().split("\0")
     try:
-        linux.setns(pidfd, linux.CLONE_NEWNS)
+        syscalls.setns(pidfd, syscalls.CLONE_NEWNS)
     except OSError as err:
         os.write(out_fd, f"cannot start ldconfig: {err}".encode())
         return 127
@@ -200,28 +226,29 @@ def _exec_sandboxed(ldconfig_fd: int, root_fd: int, pidfd: int, fresh: int, argv
 def _sandbox(root_fd: int, pidfd: int, fresh: int) -> None:
     """The container's namespaces and a private mount namespace, hidden /proc /sys /dev, chroot,
     limits, no privileges to gain (in the child)."""
-    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the step that waits for us
+    process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the step that waits for us
     # The container's network, IPC and UTS namespaces (CVE-2024-0137 ran ldconfig in the host's
     # network namespace): ldconfig reaches nothing the container cannot. Joining them is free, where
     # a new network namespace per start costs the kernel a teardown each time; only those the
     # container shares with the host (--net=host, ...) are created fresh.
-    linux.setns(pidfd, linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
+    syscalls.setns(pidfd, syscalls.CLONE_NEWNET | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS)
     # unshare moves our cwd (not our fds) into the new namespace's copy of the tree, so stand in
     # the rootfs first and re-open it afterwards: mounts must target the new namespace.
     os.fchdir(root_fd)
-    linux.unshare(linux.CLONE_NEWNS | fresh)
-    linux.make_mounts_private()
+    syscalls.unshare(syscalls.CLONE_NEWNS | fresh)
+    syscalls.make_mounts_private()
     root_fd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    hidden = linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV | linux.MOUNT_ATTR_NOEXEC
+    hidden = (syscalls.MOUNT_ATTR_RDONLY | syscalls.MOUNT_ATTR_NOSUID | syscalls.MOUNT_ATTR_NODEV
+              | syscalls.MOUNT_ATTR_NOEXEC)
     for name in _HIDDEN:
         try:
-            target = linux.openat2(root_fd, name, os.O_PATH | os.O_DIRECTORY, linux.RESOLVE_NO_SYMLINKS)
+            target = pathrs.openat2(root_fd, name, os.O_PATH | os.O_DIRECTORY, pathrs.RESOLVE_NO_SYMLINKS)
         except OSError:
             continue  # absent (or not a plain dir): nothing there to hide
-        linux.move_mount(linux.fsmount_tmpfs({"mode": "0555", "size": "4k"}, hidden), target, what=name)
+        syscalls.move_mount(syscalls.fsmount_tmpfs({"mode": "0555", "size": "4k"}, hidden), target, what=name)
     os.chroot(".")
     os.chdir("/")
     for limit, value in _LIMITS:
         resource.setrlimit(limit, (value, value))
-    linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
-    linux.drop_bounding_set(frozenset({_CAP_DAC_OVERRIDE}))
+    process.prctl(process.PR_SET_NO_NEW_PRIVS, 1)
+    syscalls.drop_bounding_set(frozenset({_CAP_DAC_OVERRIDE}))

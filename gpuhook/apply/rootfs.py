@@ -21,10 +21,10 @@ from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import Final
 
-from gpuhook import linux
 from gpuhook.errors import ApplyError
+from gpuhook.sys import mountinfo, pathrs, syscalls
 
-_IN_ROOT: Final = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
+_IN_ROOT: Final = pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS
 _RUNTIME_OWNED: Final = ("dev", "proc")
 _MAX_STEPS: Final = 64
 _NEW_FILE: Final = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC
@@ -33,7 +33,7 @@ _NEW_FILE: Final = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_C
 def _resolve_flags(path: str) -> int:
     """IN_ROOT, plus NO_SYMLINKS under the runtime-owned /dev and /proc."""
     top = PurePosixPath(path).parts[1] if len(PurePosixPath(path).parts) > 1 else ""
-    return _IN_ROOT | (linux.RESOLVE_NO_SYMLINKS if top in _RUNTIME_OWNED else 0)
+    return _IN_ROOT | (pathrs.RESOLVE_NO_SYMLINKS if top in _RUNTIME_OWNED else 0)
 
 
 def _exclusively(make: Callable[[], None]) -> bool:
@@ -61,7 +61,7 @@ class RootFs:
 
     def open(self, path: str, flags: int = os.O_PATH) -> int:
         """Open the container *path* inside the root (symlinks followed, confined); raises OSError."""
-        return linux.openat2(self.root_fd, path.lstrip("/") or ".", flags, _resolve_flags(path))
+        return pathrs.openat2(self.root_fd, path.lstrip("/") or ".", flags, _resolve_flags(path))
 
     def try_open(self, path: str, flags: int = os.O_PATH) -> int | None:
         """Like open(), but None when the path does not exist."""
@@ -122,7 +122,7 @@ class RootFs:
         try:
             if _exclusively(lambda: os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd))):
                 self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=dir_fd))
-            fd = linux.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, linux.RESOLVE_NO_SYMLINKS)
+            fd = pathrs.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, pathrs.RESOLVE_NO_SYMLINKS)
         except OSError as err:
             raise ApplyError("create mount target", path, errno_=err.errno) from err
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -147,7 +147,7 @@ class RootFs:
         # (runc mknodDevice), and a mode fix goes through that same fd, so a swap after the check
         # cannot redirect the chmod to a host file.
         try:
-            fd = linux.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, linux.RESOLVE_NO_SYMLINKS)
+            fd = pathrs.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, pathrs.RESOLVE_NO_SYMLINKS)
         except OSError as err:
             raise ApplyError("mknod", path, errno_=err.errno) from err
         try:
@@ -164,7 +164,7 @@ class RootFs:
         parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
         dir_fd = self.directory(parent)
         try:
-            old = linux.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, linux.RESOLVE_NO_SYMLINKS)
+            old = pathrs.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, pathrs.RESOLVE_NO_SYMLINKS)
         except FileNotFoundError:
             pass
         else:
@@ -194,31 +194,31 @@ class RootFs:
     def attach(self, tree_fd: int, target_fd: int, path: str) -> None:
         """move_mount the detached *tree_fd* onto *target_fd*, then verify the result."""
         want = os.fstat(tree_fd)
-        parent = linux.mount_id(target_fd)
+        parent = mountinfo.mount_id(target_fd)
         if self._shared is None:
-            self._shared = linux.shared_mount_ids()
+            self._shared = mountinfo.shared_mount_ids(mountinfo.read_mountinfo())
         if parent in self._shared:
             # A mount under a shared mount propagates to its peers, which can be in the host's
             # namespace (rootfsPropagation "shared"): the host would see the driver files appear.
             raise ApplyError("mount", path, detail="is on a shared mount (rootfsPropagation shared?); "
                              "mounting there would propagate to the host. Use rslave or private propagation")
         try:
-            linux.move_mount(tree_fd, target_fd, what=path)
+            syscalls.move_mount(tree_fd, target_fd, what=path)
         except OSError as err:
             raise ApplyError("mount", path, errno_=err.errno) from err
         # After move_mount, *tree_fd* is the attached mount itself: undo through it, never by path
         # (which a racing rename could point elsewhere).
-        self._record(f"umount {path}", lambda: linux.umount_detach(f"/proc/self/fd/{tree_fd}"))
+        self._record(f"umount {path}", lambda: syscalls.umount_detach(f"/proc/self/fd/{tree_fd}"))
         # Re-resolve from the root: *path* must now show the mounted object, on exactly our mount.
         try:
             check = self.open(path, os.O_PATH | os.O_NOFOLLOW)
         except OSError as err:
             raise ApplyError("mount", path, errno_=err.errno, detail="gone after mounting") from err
         try:
-            got, got_mount = os.fstat(check), linux.mount_id(check)
+            got, got_mount = os.fstat(check), mountinfo.mount_id(check)
         finally:
             os.close(check)
-        if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino) or got_mount != linux.mount_id(tree_fd):
+        if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino) or got_mount != mountinfo.mount_id(tree_fd):
             raise ApplyError("mount", path, detail="after mounting, the path does not show the mounted file")
 
     # -- undo ------------------------------------------------------------------------------------

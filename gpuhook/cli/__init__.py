@@ -1,17 +1,19 @@
 """Command line: ``gpuhook [--config FILE] [--debug] COMMAND``.
 
 ``main(argv) -> int`` owns exit codes (0 done, 1 refused or failed, 2 usage);
-nothing below the CLI prints, exits or reads ``os.environ``.
+nothing below the CLI prints, exits or reads ``os.environ``. The hook stages are read by
+``gpuhook.hookcall`` (no argparse on that path); every other command's work is a call into
+``gpuhook.service``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from types import SimpleNamespace
 
 from gpuhook import __version__
-from gpuhook.errors import GpuHookError
+from gpuhook.errors import GpuHookError, UsageError, report_failure
+from gpuhook.hookcall import STAGES, HookArgs, check_environment, parse_hook_argv
 
 TYPE_CHECKING = False  # importing typing costs ~3 ms of every container start
 if TYPE_CHECKING:
@@ -19,8 +21,9 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Any, NoReturn
 
-HOOK_STAGES = ("prestart", "createRuntime")
-NOOP_STAGES = ("poststart", "poststop")
+#: Commands that act as root on a container's behalf (besides the hook stages): each checks its own
+#: environment first (hookcall.check_environment), as the hook does.
+ACTS_FOR_CONTAINERS = frozenset({"spec-edit", "precreate", "cdi-hook", "daemon"})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,10 +41,11 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"hooks: hand GPU requests to gpuhookd here (default {DEFAULT_SOCKET}; 'none': never)")
     parser.add_argument("--version", action="version", version=f"gpuhook {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for stage in HOOK_STAGES:
-        commands.add_parser(stage, help="inject the requested GPUs (OCI state on stdin)")
-    for stage in NOOP_STAGES:
-        commands.add_parser(stage, help="accepted for NVIDIA compatibility; does nothing")
+    helps = {"start": "inject the requested GPUs (OCI state on stdin)",
+             "stop": "release what the container's start took (OCI state on stdin)",
+             "nothing": "accepted for NVIDIA compatibility; does nothing"}
+    for stage, action in STAGES.items():
+        commands.add_parser(stage, help=helps[action])
     plan = commands.add_parser("plan", help="dry run: print the plan for a bundle as JSON")
     plan.add_argument("--bundle", required=True, help="the OCI bundle directory (holding config.json)")
     edit = commands.add_parser("spec-edit", help="write the requested GPU devices into <bundle>/config.json")
@@ -78,18 +82,26 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the process exit status."""
     words = sys.argv[1:] if argv is None else list(argv)
-    args: Any = hook_argv(words) or _parser().parse_args(words)
     try:
-        if args.command in HOOK_STAGES:
+        hook = parse_hook_argv(words)
+        if hook is not None:
             from gpuhook.cli.hook import run_hook
 
-            return run_hook(args.config, args.debug, sys.stdin.buffer, os.environ, daemon_socket=args.daemon_socket)
-        if args.command in NOOP_STAGES:
-            sys.stdin.buffer.read()  # drain: a runtime may block writing the state
-            return 0
+            return run_hook(hook, sys.stdin.fileno(), os.environ)
+        args: Any = _parser().parse_args(words)
+        if args.command in STAGES:  # a spelling only argparse takes (an abbreviated option)
+            from gpuhook.cli.hook import run_hook
+
+            hook = HookArgs(args.command, args.config, args.debug, args.daemon_socket)
+            return run_hook(hook, sys.stdin.fileno(), os.environ)
+        if args.command in ACTS_FOR_CONTAINERS:
+            check_environment(os.environ)
         return _run_command(args)
+    except UsageError as err:
+        print(report_failure(err), file=sys.stderr)
+        return 2
     except GpuHookError as err:
-        _report_failure(err)
+        print(report_failure(err), file=sys.stderr)
         return 1
     except BrokenPipeError:
         # `gpuhook plan | head`: the reader left; exit quietly instead of a traceback at shutdown.
@@ -134,7 +146,7 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
         case "precreate":
             from gpuhook.cli import specedit
 
-            return specedit.run_precreate(config, debug, sys.stdin.buffer, env)
+            return specedit.run_precreate(config, debug, sys.stdin.fileno(), env)
         case "cdi":
             from gpuhook.cli import cdi
 
@@ -144,7 +156,7 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
         case "cdi-hook":
             from gpuhook.cli import cdi
 
-            return cdi.run_update_ldcache(config, debug, sys.stdin.buffer, env, args.folder)
+            return cdi.run_update_ldcache(config, debug, sys.stdin.fileno(), env, args.folder)
         case "install":
             from pathlib import Path
 
@@ -161,46 +173,3 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
             from gpuhook.cli import inspect
 
             return inspect.run_info(config, debug, env, as_json=args.json, refresh=args.refresh)
-
-
-def hook_argv(words: Sequence[str]) -> SimpleNamespace | None:
-    """``[--config FILE] [--debug] STAGE`` for a hook or no-op stage, decoded by hand; else None.
-
-    Runtimes run the hook for every container (with a hooks.d ``always`` rule, for
-    containers without GPUs too), and importing argparse and building the parser costs
-    about as much as the whole no-GPU path. The argv shapes runtimes send are decoded
-    here; anything else (help, version, abbreviations, mistakes, other commands) returns
-    None and goes through argparse, which owns usage messages and exit status 2.
-    """
-    config: str | None = None
-    debug = False
-    daemon_socket: str | None = None
-    rest = list(words)
-    while len(rest) > 1:
-        word = rest.pop(0)
-        if word == "--debug":
-            debug = True
-        elif word == "--config" and not rest[0].startswith("-") and len(rest) > 1:
-            config = rest.pop(0)
-        elif word.startswith("--config="):
-            config = word.removeprefix("--config=")
-        elif word == "--daemon-socket" and len(rest) > 1:
-            daemon_socket = rest.pop(0)
-        else:
-            return None
-    if len(rest) != 1 or rest[0] not in HOOK_STAGES + NOOP_STAGES:
-        return None
-    return SimpleNamespace(command=rest[0], config=config, debug=debug, daemon_socket=daemon_socket)
-
-
-def _report_failure(err: GpuHookError) -> None:
-    """One log event (if logging is set up) and one plain line on stderr."""
-    print(describe_failure(err), file=sys.stderr)
-
-
-def describe_failure(err: GpuHookError) -> str:
-    """Log *err* (if logging is set up) and return the line for the user (gpuhookd sends it back)."""
-    log = sys.modules.get("gpuhook.log")
-    if log is not None and log.is_configured():
-        log.get_logger().error("hook_failed", kind=type(err).__name__, error=str(err))
-    return f"gpuhook: {err}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpuhook.cli.inputs import read_config_json
+from gpuhook.hookcall import read_config_json
 from gpuhook.oci.spec import SPEC_LIMIT, BundleSpec, parse_spec
 
 

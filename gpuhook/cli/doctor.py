@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from gpuhook import __version__
-from gpuhook.apply.ldconfig import open_ldconfig
-from gpuhook.cli.common import load_settings
+from gpuhook import service
 from gpuhook.config import Config
 from gpuhook.daemon import client
 from gpuhook.daemon.wire import DEFAULT_SOCKET
-from gpuhook.discovery.host import HostDiscoverer
 from gpuhook.cli.runtime import RUNTIME_PATH
 from gpuhook.doctor import (
     Check,
@@ -29,6 +26,7 @@ from gpuhook.doctor import (
 )
 from gpuhook.install import changes
 from gpuhook.errors import GpuHookError
+from gpuhook.sys.mountinfo import MountInfo, read_mountinfo
 
 
 def _read(path: str) -> str | None:
@@ -42,7 +40,7 @@ def _read(path: str) -> str | None:
 def _driver_checks(config: Config) -> tuple[Check, ...]:
     """Can the driver be inventoried through the configured roots, and is persistence mode on?"""
     try:
-        inventory = HostDiscoverer(config).discover()
+        inventory = service.discover_uncached(config)
     except GpuHookError as err:
         return (Check(name="driver", verdict=Verdict.FAIL, message=str(err),
                       fix="install or load the NVIDIA driver, or point driver_root/dev_root/proc_root at it"),)
@@ -57,7 +55,7 @@ def _driver_checks(config: Config) -> tuple[Check, ...]:
 def _ldconfig_check(config: Config) -> Check:
     """Is the configured ldconfig a usable static host binary?"""
     try:
-        os.close(open_ldconfig(config.ldconfig))
+        service.check_ldconfig(config.ldconfig)
     except GpuHookError as err:
         return Check(name="ldconfig", verdict=Verdict.FAIL, message=str(err),
                      fix="set `ldconfig:` to a static ldconfig")
@@ -89,7 +87,7 @@ def _cdi(config_arg: str | None, config: Config, env: Mapping[str, str]) -> tupl
 
     import yaml
 
-    from gpuhook.cli.cdi import hook_argv, render_host
+    from gpuhook.cli.cdi import hook_argv
 
     found: dict[str, object] = {}
     for directory in CDI_DIRS:
@@ -104,7 +102,7 @@ def _cdi(config_arg: str | None, config: Config, env: Mapping[str, str]) -> tupl
     if not found:
         return ()
     try:
-        fresh = json.loads(json.dumps(render_host(config, hook_argv(config_arg, env)).spec))
+        fresh = json.loads(json.dumps(service.render_cdi(config, hook_argv(config_arg, env)).spec))
     except GpuHookError:
         return ()  # the driver check above already says why nothing can be rendered
     return cdi_checks(found, fresh)
@@ -124,8 +122,12 @@ def daemon_check(socket_path: str) -> Check:
 def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str], *,
                daemon_socket: str = DEFAULT_SOCKET) -> int:
     """Print every check; exit status 1 if any failed."""
-    config = load_settings(config_arg, debug, env)
-    mode = cgroup_mode(_read("/proc/self/mountinfo") or "")
+    config = service.load_settings(config_arg, debug, env)
+    try:
+        mounts: tuple[MountInfo, ...] = read_mountinfo()
+    except OSError:
+        mounts = ()  # unreadable: the checks below then say v1
+    mode = cgroup_mode(mounts)
     driver = cgroup_driver(pid1=(_read("/proc/1/comm") or "").strip(), mode=mode,
                            docker_daemon_json=_read("/etc/docker/daemon.json"),
                            containerd_toml=_read("/etc/containerd/config.toml"))

@@ -6,10 +6,10 @@ import difflib
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from gpuhook.install import Change, changes
+from gpuhook.sys import files
 
 
 def _target(root: Path, path: str) -> Path:
@@ -79,8 +79,4 @@ def _apply(root: Path, change: Change) -> None:
         tmp.symlink_to(change.link_to)
         tmp.replace(path)
         return
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(change.content or "")
-    os.chmod(tmp_name, change.mode)
-    os.replace(tmp_name, path)
+    files.replace_file(path, (change.content or "").encode(), mode=change.mode)

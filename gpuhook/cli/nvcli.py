@@ -20,26 +20,22 @@ that concern how libnvidia-container itself works are accepted and ignored (each
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NoReturn
 
 from gpuhook import __version__
-from gpuhook.errors import ConfigError, GpuHookError, RequestError
+from gpuhook.errors import GpuHookError, RequestError, UnsafeEnvironmentError, UsageError, report_failure
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
 
-    from gpuhook.config import Config
     from gpuhook.inventory import Inventory
-    from gpuhook.planning.planner import Target
     from gpuhook.request.model import GpuRequest
 
 PROG: Final = "nvidia-container-cli"
@@ -50,12 +46,6 @@ USAGE: Final = (
 #: The capability flags of ``configure`` and the NVIDIA_DRIVER_CAPABILITIES names they stand for.
 CAPABILITY_FLAGS: Final = ("compute", "compat32", "graphics", "utility", "video", "display", "ngx")
 _PID_RE: Final = re.compile(r"[0-9]{1,10}")  # ASCII digits only: int() also takes "٣" and "1_0"
-_CHANNEL_RE: Final = re.compile(r"[0-9]{1,7}")
-_MAX_IMEX_CHANNEL: Final = 1 << 20
-
-
-class UsageError(Exception):
-    """A malformed command line: exit status 2, like NVIDIA's argp."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,8 +143,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 def translate_configure(args: Sequence[str]) -> Configure:
     """The request and container of a ``configure`` argv (after the command word)."""
-    from gpuhook.request.model import Capability, GpuRequest
-    from gpuhook.request.parse import parse_visible_devices
+    from gpuhook.request.grammar import decode_devices
+    from gpuhook.request.model import Capability, GpuRequest, RequestSource
     from gpuhook.request.requirements import parse_requirement
 
     ns = _parser("configure").parse_args(list(args))
@@ -171,21 +161,20 @@ def translate_configure(args: Sequence[str]) -> Configure:
         raise UsageError(f"ROOTFS {rootfs!r}: expected the absolute path of the container's rootfs, not /")
     try:
         raw = ns.device or ""
-        devices = parse_visible_devices(raw, source="--device")
+        devices = decode_devices(raw, source=RequestSource.DEVICE_OPTION)
         requirements = tuple(parse_requirement("--require", expr) for expr in ns.require)
     except RequestError as err:
         raise UsageError(str(err)) from err
     # No --device (or void): NVIDIA selects no GPU but still injects the driver, which is "none" here.
-    all_devices, ids = devices if devices is not None else (False, ())
     request = GpuRequest(
-        all_devices=all_devices,
-        devices=ids,
+        all_devices=devices is not None and devices.all_devices,
+        devices=devices.devices if devices is not None else (),
         capabilities=frozenset(Capability(cap) for cap in CAPABILITY_FLAGS if getattr(ns, cap)),
         requirements=requirements,
         imex_channels=_imex_channels(ns.imex_channel),
         mig_config=_mig_all("--mig-config", ns.mig_config),
         mig_monitor=_mig_all("--mig-monitor", ns.mig_monitor),
-        source="--device",
+        source=RequestSource.DEVICE_OPTION,
         raw=raw,
     )
     return Configure(request=request, pid=int(ns.pid), rootfs=Path(normalized),
@@ -193,22 +182,33 @@ def translate_configure(args: Sequence[str]) -> Configure:
 
 
 def _mig_all(option: str, value: str | None) -> bool:
-    """--mig-config / --mig-monitor: gpuhook supports 'all' (NVIDIA's hook passes it for privileged containers)."""
+    """--mig-config / --mig-monitor: NVIDIA_MIG_*_DEVICES's grammar, 'all' (NVIDIA's hook passes it, privileged)."""
+    from gpuhook.request.grammar import decode_mig_control
+
     if value is None:
         return False
-    if value.strip() != "all":
-        raise UsageError(f"{option}={value!r}: only 'all' is supported")
-    return True
+    try:
+        return decode_mig_control(value, source=option)
+    except RequestError as err:
+        raise UsageError(str(err)) from err
 
 
 def _imex_channels(values: Sequence[str]) -> tuple[int, ...]:
-    """--imex-channel, repeated or comma-separated: decimal channel ids below 2^20."""
+    """--imex-channel, repeated or comma-separated: NVIDIA_IMEX_CHANNELS's grammar, without 'all'."""
+    from gpuhook.request.grammar import MAX_IMEX_CHANNEL, decode_channels
+
+    option = "--imex-channel"
     channels: list[int] = []
     for value in values:
-        for entry in value.split(","):
-            if not _CHANNEL_RE.fullmatch(entry.strip()) or int(entry) >= _MAX_IMEX_CHANNEL:
-                raise UsageError(f"--imex-channel={value!r}: {entry!r} is not a channel id below {_MAX_IMEX_CHANNEL}")
-            channels.append(int(entry))
+        try:
+            decoded = decode_channels(value, source=option)
+        except RequestError as err:
+            raise UsageError(str(err)) from err
+        if decoded.all_channels:
+            # The hook ignores NVIDIA_IMEX_CHANNELS=all; a command line that says it must have meant ids.
+            raise UsageError(f"{option}={value!r}: 'all' is not a channel id; name the channels (ids below "
+                             f"{MAX_IMEX_CHANNEL}), e.g. {option}=0,1")
+        channels += decoded.channels
     return tuple(dict.fromkeys(channels))
 
 
@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {err}\n{USAGE}", file=sys.stderr)
         return 2
     except GpuHookError as err:
-        _report_failure(err)
+        print(report_failure(err), file=sys.stderr)
         return 1
     except SystemExit as done:  # argparse's own `COMMAND --help` (its errors are UsageError)
         return done.code if isinstance(done.code, int) else 0
@@ -234,29 +234,23 @@ def _dispatch(options: GlobalOptions, command: str, args: Sequence[str]) -> int:
               else USAGE)
         return 0
     if command == "configure":
-        return run_configure(translate_configure(args), options.debug, os.environ)
+        call = translate_configure(args)
+        check_ctr_environment(os.environ)  # it acts as root for the container
+        return run_configure(call, options.debug, os.environ)
     ns = _parser(command).parse_args(list(args))
     if command == "info":
         return run_info(options.debug, os.environ, csv=ns.csv)
     return run_list(options.debug, os.environ, ns)
 
 
-def _report_failure(err: GpuHookError) -> None:
-    """One log event (if logging is set up) and one plain line on stderr (shown by ctr)."""
-    log = sys.modules.get("gpuhook.log")
-    if log is not None and log.is_configured():
-        log.get_logger().error("hook_failed", kind=type(err).__name__, error=str(err))
-    print(f"gpuhook: {err}", file=sys.stderr)
-
-
 def check_ctr_environment(env: Mapping[str, str]) -> None:
     """The hook's LD_*/PYTHON* tripwire, with the fix that applies to ctr (its env is the user's shell)."""
-    from gpuhook.cli.hygiene import check_environment
+    from gpuhook.hookcall import check_environment
 
     try:
         check_environment(env)
-    except ConfigError as err:
-        raise ConfigError(
+    except UnsafeEnvironmentError as err:
+        raise UnsafeEnvironmentError(
             f"{err}. Under ctr the hook gets ctr's own environment: run ctr without them, or put on ctr's PATH "
             f"a {PROG} wrapper that execs this one under `env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin`"
         ) from None
@@ -264,46 +258,24 @@ def check_ctr_environment(env: Mapping[str, str]) -> None:
 
 def run_configure(call: Configure, debug: bool, env: Mapping[str, str]) -> int:
     """Give the container at *call.rootfs* (init *call.pid*) the requested GPUs; raises GpuHookError."""
-    from gpuhook.cli.common import load_settings
+    from gpuhook import service
     from gpuhook.cli.hygiene import settle_process
-    from gpuhook.log import get_logger
 
-    started = time.monotonic()
-    check_ctr_environment(env)
     settle_process()
-    config = load_settings(None, debug, env)  # --root is ignored: the driver root is gpuhook's config
-    log = get_logger()
+    config = service.load_settings(None, debug, env)  # --root is ignored: the driver root is gpuhook's config
     # containerd puts the rootfs at <state>/<namespace>/<id>/rootfs, so its parent names the container.
-    log.bind(container_id=call.rootfs.parent.name, pid=call.pid, front_end=PROG)
-    log.info("request_parsed", source=call.request.source, devices=call.request.raw,
-             capabilities=sorted(call.request.capabilities),
-             requirements=[str(r) for r in call.request.requirements])
-    target = dataclasses.replace(
-        rootfs_target(call.rootfs, config),
-        manage_cgroups=not (config.no_cgroups or call.no_cgroups),
-        cuda_compat=config.cuda_compat and call.cuda_compat,
-    )
-    from gpuhook.cli.inject import inject_request
-
-    return inject_request(config, call.request, target, call.pid, call.rootfs, started)
-
-
-def rootfs_target(rootfs: Path, config: Config) -> Target:
-    """``make_target`` for a bare rootfs: ctr's --gpus puts no devices in the spec, so none are the runtime's."""
-    from gpuhook.cli.common import make_target
-    from gpuhook.oci.spec import BundleSpec
-
-    return make_target(BundleSpec(env={}, rootfs=rootfs, privileged=False), config)
+    service.start_configure(config, call.request, service.Container(pid=call.pid, rootfs=call.rootfs),
+                            placement=service.Placement(manage_cgroups=not call.no_cgroups,
+                                                        cuda_compat=call.cuda_compat),
+                            container_id=call.rootfs.parent.name, front_end=PROG)
+    return 0
 
 
 def _inventory(debug: bool, env: Mapping[str, str]) -> Inventory:
     """The host's inventory, through the cache."""
-    from gpuhook.cli.common import load_settings
-    from gpuhook.discovery.cache import CachedDiscoverer
-    from gpuhook.discovery.host import HostDiscoverer
+    from gpuhook import service
 
-    config = load_settings(None, debug, env)
-    return CachedDiscoverer(config=config, inner=HostDiscoverer(config)).lookup().inventory
+    return service.host_inventory(service.load_settings(None, debug, env)).inventory
 
 
 def run_info(debug: bool, env: Mapping[str, str], *, csv: bool) -> int:

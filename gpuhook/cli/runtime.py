@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from gpuhook.errors import GpuHookError
+from gpuhook.errors import GpuHookError, report_failure
+from gpuhook.hookcall import check_environment
 
 #: Trusted locations only: the wrapper runs as root and must not pick a runtime from a daemon's PATH.
 RUNTIME_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -62,18 +63,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     bundle = bundle_of(args)
     if bundle is not None:
         try:
+            check_environment(os.environ)  # it runs as root for the container being created
             _edit(bundle.absolute(), os.environ.get("GPUHOOK_CONFIG"))
         except GpuHookError as err:
-            print(f"gpuhook: {err}", file=sys.stderr)
+            print(report_failure(err), file=sys.stderr)
             return 1
     os.execv(runtime, [runtime, *args])
 
 
 def _edit(bundle: Path, config: str | None) -> None:
     """Put the devices and the hook into ``<bundle>/config.json`` if the container asks for a GPU."""
-    from gpuhook.cli.common import load_settings
-    from gpuhook.cli.inputs import read_config_json
-    from gpuhook.cli.specedit import edited_spec, write_spec
+    from gpuhook import service
+    from gpuhook.cli.specedit import write_spec
+    from gpuhook.hookcall import read_config_json
     from gpuhook.oci import strictjson
     from gpuhook.oci.spec import SPEC_LIMIT, spec_from_object
     from gpuhook.request.quick import asks_for_gpu
@@ -82,7 +84,7 @@ def _edit(bundle: Path, config: str | None) -> None:
     raw = strictjson.loads_object(read_config_json(str(bundle), limit=SPEC_LIMIT), what=str(path), limit=SPEC_LIMIT)
     if not asks_for_gpu(raw):
         return
-    settings = load_settings(config, False, os.environ)
-    edited = edited_spec(raw, spec_from_object(raw, bundle), settings)
+    settings = service.load_settings(config, False, os.environ)
+    edited = service.render_spec_edit(settings, raw, spec_from_object(raw, bundle))
     if edited is not raw:
         write_spec(path, add_hook(dict(edited), hook_entry(config)))

@@ -18,6 +18,7 @@ import _socket
 
 from gpuhook import __version__
 from gpuhook.daemon import wire
+from gpuhook.sys import fdpass
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def exchange(path: str, request: bytes) -> tuple[bytes, int, str]:
             sock.connect(path)
         except OSError as err:  # ENOENT, ECONNREFUSED (stale socket), EACCES, ENOTSOCK, ...
             raise NotServed(f"no gpuhookd at {path} ({err.strerror})") from None
-        uid = wire.ucred_uid(sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, wire.UCRED_SIZE))
+        uid = fdpass.ucred_uid(sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, fdpass.UCRED_SIZE))
         if uid != 0:
             # /run is root's, but a --daemon-socket elsewhere could be anyone's: never hand our
             # namespaces to a process that is not root.
@@ -78,7 +79,7 @@ def _send(sock: _socket.socket, request: bytes) -> None:
         fds.append(os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
         sock.settimeout(REPLY_TIMEOUT)
         view = memoryview(request)
-        sent = sock.sendmsg([view], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, wire.pack_fds(fds))])
+        sent = sock.sendmsg([view], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fdpass.pack_fds(fds))])
         while sent < len(view):
             sent += sock.send(view[sent:])
     except OSError as err:
@@ -102,8 +103,9 @@ def _receive_reply(sock: _socket.socket, path: str) -> tuple[bytes, int, str]:
             size += len(chunk)
         return wire.decode_reply(b"".join(chunks))
     except (OSError, wire.WireError) as err:
-        from gpuhook.errors import ApplyError
+        from gpuhook.errors import DaemonError
 
         why = "timed out" if isinstance(err, TimeoutError) else str(err)
-        raise ApplyError("gpuhookd", path, detail=f"no complete answer ({why}); see gpuhookd's journal "
-                         "(journalctl -u gpuhookd) and the hook log") from None
+        # Word for word what gpuhook-relay says in the same case (relay/gpuhook-relay.c).
+        raise DaemonError(f"gpuhookd {path}: no complete answer ({why}); see gpuhookd's journal "
+                          "(journalctl -u gpuhookd) and the hook log") from None

@@ -39,18 +39,17 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from gpuhook import __version__, linux
-from gpuhook.apply import ChildForkedAhead, fork_apply_child
+from gpuhook import __version__, hookcall, service
 from gpuhook.daemon import wire
-from gpuhook.errors import ConfigError, GpuHookError
+from gpuhook.errors import ConfigError, GpuHookError, report_failure
+from gpuhook.sys import fdpass, process
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Mapping, MutableMapping, Sequence
-    from types import SimpleNamespace
-    from typing import Any, NoReturn
+    from collections.abc import MutableMapping, Sequence
+    from typing import NoReturn
 
-    from gpuhook.apply.ahead import ChildAhead
+    from gpuhook.service import ChildAhead
 
 #: Loaded once in the parent besides every gpuhook module: NVML's binding for a cache miss and
 #: PyYAML for a config outside the flat subset. A worker may sit in another mount namespace,
@@ -76,18 +75,6 @@ def preload() -> None:
     # copy-on-write) every page of them; workers are short-lived and run without it (_fork_worker).
     gc.collect()
     gc.freeze()
-
-
-def prepare(env: Mapping[str, str]) -> None:
-    """Work the default configuration's requests can share: the sealed copy of its ldconfig."""
-    from gpuhook.apply.ldconfig import seal_ahead
-    from gpuhook.config import load_config, resolve_config_path
-
-    try:
-        path, required = resolve_config_path(None, env)
-        seal_ahead(load_config(path, required=required).ldconfig)
-    except GpuHookError as err:
-        say(f"ldconfig not prepared ({err}); each request copies it")
 
 
 def serve(listener: socket.socket, *, request_timeout: float, spares: int = SPARE_WORKERS) -> NoReturn:
@@ -134,14 +121,14 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int)
         gc.disable()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the worker waits for its own children
         # Idle workers go with the daemon; one serving a request finishes it (PDEATHSIG off again).
-        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+        process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != daemon:  # it died before the prctl
             os._exit(0)
         # Before a request waits for it: the apply child's fork. Not when a connection already
         # waits (a burst of container starts): serve it now.
         apply_child = None
         if not select.select([listener], [], [], 0)[0]:
-            apply_child = fork_apply_child(close=(listener.fileno(), write_fd), priority=priority)
+            apply_child = service.fork_apply_ahead(close=(listener.fileno(), write_fd), priority=priority)
         os.setpriority(os.PRIO_PROCESS, 0, priority)  # prepared: wake for a request at full priority
         conn, request = _answer_until_gpu_request(listener, daemon, request_timeout)
         listener.close()
@@ -166,7 +153,7 @@ ANSWERS_PER_WORKER = 256
 
 
 def _answer_until_gpu_request(listener: socket.socket, daemon: int,
-                              request_timeout: float) -> tuple[socket.socket, GpuRequest]:
+                              request_timeout: float) -> tuple[socket.socket, HookWork]:
     """Accept connections and answer those that need no GPU work; return the first that does.
 
     A container that asks for no GPU (gpuhook-relay leaves that check to the daemon) changes
@@ -175,12 +162,12 @@ def _answer_until_gpu_request(listener: socket.socket, daemon: int,
     """
     for _ in range(ANSWERS_PER_WORKER):
         conn = _accept(listener)
-        linux.prctl(linux.PR_SET_PDEATHSIG, 0)  # the daemon's end no longer ends this request
+        process.prctl(process.PR_SET_PDEATHSIG, 0)  # the daemon's end no longer ends this request
         request = handle(conn, request_timeout=request_timeout)
         if request is not None:
             return conn, request
         conn.close()
-        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+        process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != daemon:
             os._exit(0)
     os._exit(0)  # retired: the daemon sees the pipe's EOF and forks a fresh one
@@ -197,21 +184,17 @@ def _accept(listener: socket.socket) -> socket.socket:
 
 
 @dataclass(frozen=True, slots=True)
-class GpuRequest:
-    """A request that asks for GPUs: the hook's inputs, decoded, and the fds of its view."""
+class HookWork:
+    """A request that needs GPU work in the hook's view: the hook's inputs, decoded, and the fds of that view."""
 
     fds: list[int]  # the hook's mnt, cgroup, pid and user namespaces, and its root
-    config: str | None
-    debug: bool
-    env: dict[str, str]
-    state: Mapping[str, Any]
-    spec: Mapping[str, Any]
+    call: hookcall.HookCall
 
 
 Reply = tuple[bytes, int, str]
 
 
-def handle(conn: socket.socket, *, request_timeout: float) -> GpuRequest | None:
+def handle(conn: socket.socket, *, request_timeout: float) -> HookWork | None:
     """Answer *conn* unless its request needs GPU work in the hook's view; then return that work.
 
     Runs in the worker, in the daemon's own view: nothing here enters a namespace or changes
@@ -233,7 +216,7 @@ def handle(conn: socket.socket, *, request_timeout: float) -> GpuRequest | None:
     except BaseException:
         _close_all(fds)
         raise
-    if isinstance(reply, GpuRequest):
+    if isinstance(reply, HookWork):
         return reply  # it owns the fds now
     _close_all(fds)
     _answer(conn, reply)
@@ -242,107 +225,83 @@ def handle(conn: socket.socket, *, request_timeout: float) -> GpuRequest | None:
 
 def _answer(conn: socket.socket, reply: Reply) -> None:
     """Send *reply*; the request is over (its alarm too)."""
-    conn.sendall(wire.encode_reply(*reply))
+    _send_quietly(conn, wire.encode_reply(*reply))
     signal.alarm(0)
 
 
-def _triage(kind: bytes, parts: list[bytes], fds: list[int]) -> Reply | GpuRequest:  # noqa: PLR0911 - one per outcome
-    """The reply to a request that needs no GPU work, or the decoded GPU request.
+def _triage(kind: bytes, parts: list[bytes], fds: list[int]) -> Reply | HookWork:  # noqa: PLR0911 - one per outcome
+    """The reply to a request that needs no GPU work, or the decoded GPU work.
 
     A ``hook`` request comes from the Python hook, which read config.json and saw a GPU asked
-    for. A ``relay`` request is gpuhook-relay's raw hook call (argv, environment, stdin): here
-    it gets what the in-process hook does first, with the same functions: the argv, the
-    environment tripwire, the state, config.json read through the hook's root, the no-GPU check.
+    for. A ``relay`` request is gpuhook-relay's raw hook call (argv, environment, stdin): it is
+    read as the in-process hook reads it (``hookcall``), config.json through the hook's root.
     """
-    from gpuhook.cli import NOOP_STAGES, describe_failure
-    from gpuhook.cli.hook import STATE_WHAT
-    from gpuhook.cli.hygiene import check_environment
-    from gpuhook.cli.inputs import read_config_json
-    from gpuhook.oci import strictjson
-    from gpuhook.request.quick import asks_for_gpu
-
     if kind == b"ping":
         return b"pong", 0, __version__
     try:
         if kind == b"hook":
             version, config, debug, env, state_bytes, spec_bytes = wire.decode_hook_parts(parts)
+            args = hookcall.HookArgs("prestart", config, debug, None)
         else:
             version, argv, env, state_bytes = wire.decode_relay_parts(parts)
-            spec_bytes = b""
+            spec_bytes = None
+            relayed = hookcall.relayed_hook_args(argv)
+            if relayed is None:  # --help, another command, a mistake: gpuhook's own CLI answers those
+                return b"declined", 0, f"not a hook call: {' '.join(argv)[:200]}"
+            args = relayed
     except wire.WireError as err:
         return b"declined", 0, f"unreadable request: {err}"
     if version != __version__:
         return (b"declined", 0,
                 f"gpuhookd runs gpuhook {__version__}, the hook {version} (restart gpuhookd after an upgrade)")
-    if kind == b"relay":
-        args = _relayed_hook_argv(argv)
-        if args is None:  # --help, another command, a mistake: gpuhook's own CLI answers those
-            return b"declined", 0, f"not a hook call: {' '.join(argv)[:200]}"
-        if args.command in NOOP_STAGES:
-            return b"done", 0, ""
-        config, debug = args.config, args.debug
     try:
-        if kind == b"relay":
-            check_environment(env)
-        state = strictjson.loads_object(state_bytes, what=STATE_WHAT, limit=strictjson.STATE_LIMIT)
-        bundle = strictjson.get_str(state, "bundle" if "bundle" in state else "bundlePath", what=STATE_WHAT)
-        if kind == b"relay":
-            spec_bytes = read_config_json(bundle, limit=strictjson.SPEC_LIMIT, root_fd=fds[4])
-        spec = strictjson.loads_object(spec_bytes, what=f"{bundle}/config.json", limit=strictjson.SPEC_LIMIT)
+        call = hookcall.read_hook_call(args, env, state_bytes, spec_bytes=spec_bytes, root_fd=fds[4])
+        if args.action == hookcall.STOP:
+            service.stop(None, call.state)
     except GpuHookError as err:
-        return b"done", 1, describe_failure(err) + "\n"
-    if kind == b"relay" and not asks_for_gpu(spec):
+        return b"done", 1, report_failure(err) + "\n"
+    if args.action != hookcall.START or not call.asks_gpu:
         return b"done", 0, ""
-    return GpuRequest(fds, config, debug, env, state, spec)
+    return HookWork(fds, call)
 
 
-def _relayed_hook_argv(argv: Sequence[str]) -> SimpleNamespace | None:
-    """The hook call in a relay's argv, whose first word names the command it stands for: ``gpuhook``,
-    or NVIDIA's hook name (docker ``--gpus``), whose Go-style flags are translated first; else None."""
-    from gpuhook.cli import hook_argv, nvidia
-
-    if argv[0] == "gpuhook":
-        return hook_argv(argv[1:])
-    if argv[0] in nvidia.HOOK_NAMES:
-        translated = nvidia.translate(argv[1:])
-        return hook_argv(translated) if isinstance(translated, list) else None  # else: usage, -version
-    return None
-
-
-def serve_gpu_request(conn: socket.socket, request: GpuRequest, apply_child: ChildAhead | None) -> None:
-    """Enter the hook's view, run the request as the in-process hook would, answer."""
+def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhead | None) -> None:
+    """Enter the hook's view, run the start as the in-process hook would, answer."""
     try:
-        reason = _enter_client_view(request.fds)
+        reason = service.enter_hook_view(work.fds)
         if reason:
-            conn.sendall(wire.encode_reply(b"declined", 0, reason))
+            _send_quietly(conn, wire.encode_reply(b"declined", 0, reason))
             return
         # The apply child was forked in the daemon's view: it takes the hook's mount namespace and root.
-        ahead = (ChildForkedAhead(apply_child, mount_ns_fd=request.fds[0], root_fd=request.fds[4])
+        ahead = (service.ChildForkedAhead(apply_child, mount_ns_fd=work.fds[0], root_fd=work.fds[4])
                  if apply_child else None)
-        status, message = run_request(request.config, request.debug, request.env, request.state, request.spec,
-                                      ahead)
+        status, message = run_start(work.call, ahead)
     finally:
-        _close_all(request.fds)
-    conn.sendall(wire.encode_reply(b"done", status, message))
+        _close_all(work.fds)
+    _send_quietly(conn, wire.encode_reply(b"done", status, message))
 
 
-def run_request(config: str | None, debug: bool, env: dict[str, str], state: Mapping[str, Any],
-                spec: Mapping[str, Any],
-                ahead: ChildForkedAhead | None = None) -> tuple[int, str]:
-    """What the in-process hook would do with these inputs: (exit status, stderr text)."""
-    from gpuhook.cli import describe_failure
-    from gpuhook.cli.inject import inject
-
+def run_start(call: hookcall.HookCall, ahead: service.ChildForkedAhead | None = None) -> tuple[int, str]:
+    """What the in-process hook would do with this call: (exit status, stderr text)."""
     before = set(sys.modules)
     try:
-        inject(config, debug, env, state, spec, served_by="gpuhookd", ahead=ahead)
+        config = service.load_settings(call.args.config, call.args.debug, call.env)
+        service.start_hook(config, call.state, call.spec, served_by="gpuhookd", ahead=ahead)
     except GpuHookError as err:
-        return 1, describe_failure(err) + "\n"
+        return 1, report_failure(err) + "\n"
     except Exception:  # noqa: BLE001 - a bug: the hook shows the traceback, as it would in-process
         return 1, f"gpuhook: internal error in gpuhookd:\n{traceback.format_exc()}"
     finally:
         _log_imports(sorted(set(sys.modules) - before))
     return 0, ""
+
+
+def _send_quietly(conn: socket.socket, data: bytes) -> None:
+    """Send a reply; a hook that has gone (killed by its runtime, a probe) costs only its connection."""
+    try:
+        conn.sendall(data)
+    except OSError as err:
+        say(f"the hook left before its answer ({err.strerror or err})")
 
 
 def _log_imports(modules: Sequence[str]) -> None:
@@ -355,7 +314,7 @@ def _log_imports(modules: Sequence[str]) -> None:
 
 def _peer_uid(conn: socket.socket) -> int:
     """The connecting process's uid, from the kernel (SO_PEERCRED)."""
-    return wire.ucred_uid(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, wire.UCRED_SIZE))
+    return fdpass.ucred_uid(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, fdpass.UCRED_SIZE))
 
 
 def _receive(conn: socket.socket) -> tuple[bytes, list[bytes], list[int]]:
@@ -364,7 +323,7 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[bytes], list[int]]:
     fds: list[int] = []
     for level, cmsg_type, payload in ancillary:
         if level == socket.SOL_SOCKET and cmsg_type == socket.SCM_RIGHTS:
-            fds += wire.unpack_fds(payload)
+            fds += fdpass.unpack_fds(payload)
     try:
         line, newline, body = data.partition(b"\n")
         while not newline:
@@ -396,19 +355,6 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[bytes], list[int]]:
 def _close_all(fds: Sequence[int]) -> None:
     for fd in fds:
         os.close(fd)
-
-
-def _enter_client_view(fds: Sequence[int]) -> str:
-    """Enter the hook's mount and cgroup namespaces and root; or why not ('' when entered)."""
-    mnt, cgroup, pid, user, root = fds
-    for fd, name in ((pid, "pid"), (user, "user")):
-        if not linux.same_namespace(fd, name):
-            return (f"the hook runs in another {name} namespace than gpuhookd; "
-                    "the OCI state's pid would name another process here")
-    if not linux.same_namespace(cgroup, "cgroup"):
-        linux.setns(cgroup, linux.CLONE_NEWCGROUP)  # the kernel checks that fd is a cgroup namespace
-    linux.enter_mount_view(mnt, root)
-    return ""
 
 
 def say(message: str) -> None:

@@ -10,14 +10,12 @@ daemon; and ``ping`` (parts: version). ``hook`` and ``relay`` carry five fds (se
 Verdicts: ``done`` (the request ran; STATUS is the hook's exit status), ``declined`` (the daemon
 cannot serve it: the hook does the work itself; the message says why) and ``pong``.
 
-Everything here is plain bytes and ints, importing only ``sys``: the hook's side of it runs on
-every GPU container start. The fd lists (SCM_RIGHTS) and peer credentials (SO_PEERCRED) that go
-with the messages are packed here too, also for the children gpuhookd forks ahead.
+Everything here is plain bytes and ints, importing nothing: the hook's side of it runs on
+every GPU container start. The fd lists (SCM_RIGHTS) and peer credentials (SO_PEERCRED) that
+go with the messages are packed by ``gpuhook.sys.fdpass``.
 """
 
 from __future__ import annotations
-
-import sys
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -33,6 +31,7 @@ HOOK_PARTS = ("version", "config", "debug", "env", "state", "spec")
 RELAY_PARTS = ("version", "argv", "env", "state")
 KINDS = {b"hook": len(HOOK_PARTS), b"relay": len(RELAY_PARTS), b"ping": 1}
 VERDICTS = (b"done", b"declined", b"pong")
+
 
 
 class WireError(ValueError):
@@ -117,21 +116,3 @@ def decode_reply(data: bytes) -> tuple[bytes, int, str]:
         raise WireError(f"not a complete gpuhookd/1 reply: {data[:64]!r}")
     return words[1], int(words[2]), message.decode("utf-8", "replace")
 
-
-#: struct ucred {pid_t pid; uid_t uid; gid_t gid;}
-UCRED_SIZE = 12
-
-
-def pack_fds(fds: Sequence[int]) -> bytes:
-    """An SCM_RIGHTS payload: the fds as C ints."""
-    return b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
-
-
-def unpack_fds(data: bytes) -> list[int]:
-    """The fds of an SCM_RIGHTS payload (a truncated trailing int is dropped)."""
-    return [int.from_bytes(data[i : i + 4], sys.byteorder) for i in range(0, len(data) - len(data) % 4, 4)]
-
-
-def ucred_uid(creds: bytes) -> int:
-    """The uid in a struct ucred read with getsockopt(SO_PEERCRED, UCRED_SIZE)."""
-    return int.from_bytes(creds[4:8], sys.byteorder)

@@ -1,10 +1,20 @@
-"""Discovery: the host's driver → an ``Inventory``. The only layer that reads the host."""
+"""Discovery: the host's driver → an ``Inventory`` (cached) and ``LiveFacts`` (read per start). Reads, never changes.
+
+``inventory_for`` is the one entry point: every front-end's inventory comes from it
+(through gpuhook.service), so the cache, the live facts and their reconciliation
+are decided here once.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gpuhook.inventory import Inventory
+
+if TYPE_CHECKING:
+    from gpuhook.config import Config
+    from gpuhook.discovery.cache import Found
+    from gpuhook.inventory import LiveNeeds
 
 
 class Discoverer(Protocol):
@@ -13,3 +23,16 @@ class Discoverer(Protocol):
     def discover(self) -> Inventory:
         """Inventory the host's GPUs and driver files."""
         ...
+
+
+def inventory_for(config: Config, needs: LiveNeeds, *, refresh: bool = False) -> Found:
+    """The host's inventory through the cache, with the live facts *needs* asks for; raises DiscoveryError.
+
+    *refresh* rebuilds the cache from NVML first (``gpuhook info --refresh``); a config whose
+    ``cache_dir`` is null asks NVML every time (outcome ``disabled``).
+    """
+    # Imported here: cache imports this package's Discoverer.
+    from gpuhook.discovery.cache import CachedDiscoverer
+    from gpuhook.discovery.host import HostDiscoverer
+
+    return CachedDiscoverer(config=config, inner=HostDiscoverer(config), refresh=refresh).find(needs)

@@ -13,14 +13,32 @@ read with stat calls and a few small reads (no NVML, about a millisecond):
 * ``/proc/driver/nvidia/version`` (the NVRM version: a driver reload),
   ``params``, ``registry``, the ``gpus/`` listing and ``/proc/devices`` (majors);
 * the ``/dev/nvidia*`` names, types and device numbers (GPUs added, removed,
-  reset; ``nvidia-caps/`` one level down);
-* ``/proc/driver/nvidia/capabilities``, recursively: names and file contents
-  (the MIG layout: creating or destroying an instance changes it);
+  reset; directories one level down), except ``/dev/nvidia-caps``;
 * the driver root's ``etc/ld.so.cache`` (st_dev, st_ino, size, mtime_ns):
   ldconfig rewrites it on every driver install; without one, the library
   directories that are searched instead;
 * the binary and firmware directories and the daemons' IPC sockets (a
   restarted nvidia-persistenced makes a new socket inode).
+
+The MIG layout is not part of the identity: instances are created and destroyed
+while the driver stays, and each change would otherwise cost every start an NVML
+rebuild. The layout (``/proc/driver/nvidia/capabilities``) and the capability
+nodes (``/dev/nvidia-caps``) are read at each start instead (``LiveFacts``, see
+discovery.live), and ``CachedDiscoverer.find`` reconciles them with the cached
+inventory, cheapest first:
+
+* a destroyed instance: its MIG device is dropped and its parent's later ones
+  renumbered (``inventory.narrow_to_live``), no NVML;
+* an instance NVML was never asked about (only NVML knows its UUID): ignored by a
+  start that cannot select MIG devices; a start that can (``LiveNeeds.mig``) asks
+  NVML once and stores the result (outcome ``mig-changed``), so the next starts
+  are hits again. An instance NVML was asked about but did not report is not
+  asked about again (``Inventory.mig_layout``), so it cannot cost every start.
+
+An instance destroyed and recreated with the same GPU and compute instance ids
+between two starts looks unchanged (procfs shows nothing else), as it did when
+the layout was part of the identity: its old UUID is offered until ``gpuhook
+info --refresh`` or the next rebuild.
 
 The file is written to a temporary name in the same directory and renamed
 over the old one, so a reader sees a whole old or a whole new file; two
@@ -34,13 +52,12 @@ writable by nobody else are trusted.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
 import os
 import stat
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Final
 
@@ -49,15 +66,18 @@ from gpuhook.config import Config
 from gpuhook.discovery import Discoverer
 from gpuhook.discovery.host import BINARY_DIRS, LIBRARY_DIRS, PROC_DRIVER_FILES
 from gpuhook.discovery.hostroot import HostRoot
-from gpuhook.inventory import Inventory
+from gpuhook.discovery.live import read_live
+from gpuhook.inventory import Inventory, LiveFacts, LiveNeeds, narrow_to_live, unseen_instances
+from gpuhook.sys.files import replace_at
 
 #: Bumped when the document or Inventory.to_dict changes meaning; an older file is then a miss.
-CACHE_FORMAT: Final = 1
+#: 2: caps_nodes left the inventory (read live), mig_layout joined it.
+CACHE_FORMAT: Final = 2
 #: An inventory of 64 GPUs and a full driver, with its key, is about 50 KiB; anything far larger is not ours.
 CACHE_LIMIT: Final = 4 << 20
-#: capabilities files hold three short lines; a cap bounds what a strange procfs could cost.
-_CAPABILITY_FILE_LIMIT: Final = 4096
 _FIRMWARE_DIR: Final = "lib/firmware/nvidia"
+#: /dev entries left out of the identity: capability nodes come and go with MIG instances.
+_LIVE_DEV_ENTRIES: Final = frozenset({"nvidia-caps"})
 
 #: (st_dev, st_ino, st_size, st_mtime_ns) of a file or directory.
 Stamp = tuple[int, int, int, int]
@@ -74,6 +94,7 @@ class Outcome(enum.Enum):
     NO_IDENTITY = "no-identity"  # the driver's identity could not be read (the cache is bypassed)
     REFRESH = "refresh"  # rebuilt on request (gpuhook info --refresh)
     DISABLED = "disabled"  # cache_dir is null
+    MIG_CHANGED = "mig-changed"  # a hit, rebuilt: the start may use a MIG instance NVML was never asked about
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,7 +106,6 @@ class DriverIdentity:
     proc_files: tuple[tuple[str, str | None], ...]
     proc_gpus: tuple[str, ...]
     dev_nodes: tuple[tuple[str, int, int], ...]
-    capabilities: tuple[tuple[str, str | None], ...]
     ld_cache: Stamp | None
     driver_dirs: tuple[tuple[str, Stamp | None], ...]
     ipc: tuple[tuple[str, Stamp | None], ...]
@@ -96,6 +116,17 @@ class CacheLookup:
     """An inventory and how it was obtained."""
 
     inventory: Inventory
+    outcome: Outcome
+    #: why a freshly built inventory was not written to the cache (None: written, or a hit)
+    not_stored: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Found:
+    """What a start plans with: the inventory (cached, narrowed to the live MIG layout) and the live facts."""
+
+    inventory: Inventory
+    live: LiveFacts
     outcome: Outcome
     #: why a freshly built inventory was not written to the cache (None: written, or a hit)
     not_stored: str | None = None
@@ -162,7 +193,6 @@ def read_identity(config: Config) -> DriverIdentity:
         proc_files=tuple((rel, _text(proc.read_bytes(rel))) for rel in _proc_files()),
         proc_gpus=proc.listdir("proc/driver/nvidia/gpus"),
         dev_nodes=_dev_nodes(config.dev_root / "dev"),
-        capabilities=_capabilities(proc),
         ld_cache=ld_cache,
         driver_dirs=tuple((rel, _stamp(driver, rel)) for rel in dirs),
         ipc=tuple((rel, _stamp(driver, rel)) for rel in catalog.IPC_SOCKETS),
@@ -197,27 +227,11 @@ def store_cache(path: Path, data: bytes) -> None:
     """Atomically replace the cache file with *data*; raises OSError."""
     _make_dir(path.parent)
     dir_fd = _open_trusted_dir(path.parent)
-    # A private name in the same directory (so the rename is atomic), created with O_EXCL.
-    # Everything is relative to dir_fd, so the directory checked above is the one written;
-    # tempfile.mkstemp would re-resolve the path on each call.
-    temp = f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    # Relative to dir_fd, so the directory checked above is the one written. No fsync: the
+    # default cache_dir is tmpfs, and a torn file after a crash on disk fails to decode or to
+    # match and is rebuilt, like any other miss.
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                     dir_fd=dir_fd)
-        try:
-            os.fchmod(fd, 0o644)  # exact, whatever the umask
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        # No fsync: the default cache_dir is tmpfs, and a torn file after a crash on disk
-        # fails to decode or to match and is rebuilt, like any other miss.
-        os.replace(temp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):  # never created, or already renamed
-            os.unlink(temp, dir_fd=dir_fd)
-        raise
+        replace_at(dir_fd, path.name, data, mode=0o644)
     finally:
         os.close(dir_fd)
 
@@ -234,6 +248,18 @@ class CachedDiscoverer:
     def discover(self) -> Inventory:
         """The host's inventory, from the cache when it is valid; raises DiscoveryError."""
         return self.lookup().inventory
+
+    def find(self, needs: LiveNeeds) -> Found:
+        """The inventory and the live facts *needs* asks for, reconciled (see the module docstring)."""
+        found = self.lookup()
+        live = read_live(self.config, needs)
+        # Only a hit can be behind the layout: a rebuilt inventory was made a moment ago, and
+        # asking NVML again for an instance made since would be the same race once more.
+        if found.outcome is Outcome.HIT and needs.mig and unseen_instances(found.inventory, live):
+            rebuilt = replace(self, refresh=True).lookup()
+            found = replace(rebuilt, outcome=Outcome.MIG_CHANGED)
+        return Found(inventory=narrow_to_live(found.inventory, live), live=live, outcome=found.outcome,
+                     not_stored=found.not_stored)
 
     def lookup(self) -> CacheLookup:
         """The inventory with where it came from; a rebuilt one is stored for the next start."""
@@ -285,7 +311,7 @@ def _stamp(root: HostRoot, rel: str) -> Stamp | None:
 
 
 def _dev_nodes(dev: Path) -> tuple[tuple[str, int, int], ...]:
-    """(name, file type, rdev) of every ``nvidia*`` entry in *dev*, one level into directories."""
+    """(name, file type, rdev) of every ``nvidia*`` entry in *dev* but the live ones, one level into directories."""
     out: list[tuple[str, int, int]] = []
     pending = [(dev, "")]
     while pending:
@@ -295,34 +321,13 @@ def _dev_nodes(dev: Path) -> tuple[tuple[str, int, int], ...]:
         except (FileNotFoundError, NotADirectoryError):
             continue
         for entry in entries:
-            if not prefix and not entry.name.startswith("nvidia"):
+            if not prefix and (not entry.name.startswith("nvidia") or entry.name in _LIVE_DEV_ENTRIES):
                 continue
             st = entry.stat(follow_symlinks=False)
             out.append((prefix + entry.name, stat.S_IFMT(st.st_mode), st.st_rdev))
             if not prefix and stat.S_ISDIR(st.st_mode):  # /dev/nvidia-caps/nvidia-cap<N>
                 pending.append((Path(entry.path), entry.name + "/"))
     return tuple(sorted(out))
-
-
-def _capabilities(proc: HostRoot) -> tuple[tuple[str, str | None], ...]:
-    """Every entry under /proc/driver/nvidia/capabilities: files with their contents, dirs as None."""
-    found = proc.resolve("proc/driver/nvidia/capabilities")
-    if found is None or not stat.S_ISDIR(found[1].st_mode):
-        return ()
-    top = found[0]
-    out: list[tuple[str, str | None]] = []
-    for directory, dirs, files in os.walk(top):
-        rel = os.path.relpath(directory, top)
-        out += ((os.path.normpath(f"{rel}/{d}"), None) for d in dirs)
-        for name in files:
-            path = os.path.join(directory, name)
-            try:
-                with open(path, "rb") as handle:
-                    content = _text(handle.read(_CAPABILITY_FILE_LIMIT))
-            except OSError as err:  # some capability files are readable by root only
-                content = f"<{err.strerror}>"
-            out.append((os.path.normpath(f"{rel}/{name}"), content))
-    return tuple(sorted(out, key=lambda item: item[0]))
 
 
 def _make_dir(directory: Path) -> None:

@@ -12,6 +12,9 @@ from gpuhook import catalog
 from gpuhook.config import Config
 from gpuhook.discovery.hostroot import HostRoot
 from gpuhook.discovery.ldcache import LdCacheEntry, parse_ldcache
+from gpuhook.discovery.live import read_mig_layout
+from gpuhook.discovery.nodes import char_device
+from gpuhook.discovery.nodes import extra_nodes as extra_nodes  # temporary: until service.py uses inventory_for
 from gpuhook.discovery.procdevices import parse_mig_minors, parse_proc_devices
 from gpuhook.errors import DiscoveryError
 from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, ProcDriver
@@ -48,6 +51,9 @@ class HostDiscoverer:
                 "(neither in its etc/ld.so.cache nor in its library directories); "
                 "is the NVIDIA driver installed, and is driver_root right?"
             )
+        # Read before NVML: an instance made while NVML answers is then either reported or unseen,
+        # and an unseen one sends the next start that needs it back to NVML (see discovery.cache).
+        layout = read_mig_layout(self.config.proc_root)
         facts = read_nvml(nvml)
         devices = HostRoot(self.config.dev_root)
         majors = _majors(HostRoot(self.config.proc_root))
@@ -56,8 +62,8 @@ class HostDiscoverer:
             cuda_version=facts.cuda_version,
             gpus=facts.gpus,
             mig_devices=facts.mig_devices,
+            mig_layout=tuple(sorted(layout)),
             mig_minors=_mig_minors(HostRoot(self.config.proc_root), facts.gpus),
-            caps_nodes=_caps_nodes(devices),
             gpu_nodes=tuple(n for g in facts.gpus if (n := _gpu_node(devices, g)) is not None),
             control_nodes=_control_nodes(devices, majors),
             libraries=_driver_libraries(libraries, facts.driver_version),
@@ -144,28 +150,12 @@ def _mig_minors(proc: HostRoot, gpus: tuple[Gpu, ...]) -> tuple[tuple[str, int],
     return tuple(e for e in parse_mig_minors(data.decode("ascii", "replace")) if e[0].split("/")[0] in ours)
 
 
-def _caps_nodes(root: HostRoot) -> tuple[HostDevice, ...]:
-    """/dev/nvidia-caps/nvidia-capN under the dev root."""
-    names = [f"nvidia-caps/{n}" for n in root.listdir("dev/nvidia-caps") if n.startswith("nvidia-cap")]
-    return tuple(node for name in names if (node := _char_device(root, name)) is not None)
-
-
 def _regular(root: HostRoot, rel: str) -> DriverFile | None:
     """A regular file of the driver, named by its path (the same in the container)."""
     found = root.resolve(rel)
     if found is None or not stat.S_ISREG(found[1].st_mode):
         return None
     return DriverFile(name=f"/{rel}", host_path=found[0])
-
-
-def extra_nodes(dev_root: Path) -> tuple[HostDevice, ...]:
-    """IMEX channels and the feature-gated devices present under *dev_root* (a few listdirs, no NVML)."""
-    root = HostRoot(dev_root)
-    prefixes = tuple(p for names in catalog.GATED_NODES.values() for p in names if "/" not in p)
-    names = [n for n in root.listdir("dev") if n.startswith(prefixes)]
-    for sub in ("infiniband", catalog.IMEX_DIR):
-        names += [f"{sub}/{n}" for n in root.listdir(f"dev/{sub}")]
-    return tuple(node for name in sorted(names) if (node := _char_device(root, name)) is not None)
 
 
 def _socket(root: HostRoot, rel: str) -> DriverFile | None:
@@ -184,21 +174,9 @@ def _majors(proc: HostRoot) -> dict[str, int]:
     return dict(parse_proc_devices(data.decode("ascii", "replace")))
 
 
-def _char_device(root: HostRoot, name: str) -> HostDevice | None:
-    """/dev/<name> under the dev root, if it is a character device (symlinks are refused)."""
-    path = root.path / "dev" / name
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISCHR(st.st_mode):
-        raise DiscoveryError(f"{path} is not a character device; remove it and reload the NVIDIA driver")
-    return HostDevice(name=name, host_path=path, major=os.major(st.st_rdev), minor=os.minor(st.st_rdev))
-
-
 def _gpu_node(root: HostRoot, gpu: Gpu) -> HostDevice | None:
     """/dev/nvidia<minor> of *gpu*."""
-    node = _char_device(root, f"nvidia{gpu.minor}")
+    node = char_device(root, f"nvidia{gpu.minor}")
     if node is not None and (node.major, node.minor) != (catalog.NVIDIA_MAJOR, gpu.minor):
         raise DiscoveryError(
             f"{node.host_path} is {node.major}:{node.minor}, but GPU {gpu.index} ({gpu.uuid}) is "
@@ -211,7 +189,7 @@ def _control_nodes(root: HostRoot, majors: dict[str, int]) -> tuple[HostDevice, 
     """nvidiactl, nvidia-uvm(-tools) and nvidia-modeset, checked against /proc/devices."""
     nodes = []
     for name in catalog.CONTROL_NODES:
-        node = _char_device(root, name)
+        node = char_device(root, name)
         if node is None:
             continue
         driver = "nvidia-uvm" if name.startswith("nvidia-uvm") else None

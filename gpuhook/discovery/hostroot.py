@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuhook import linux
+from gpuhook.sys import pathrs
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,19 +26,19 @@ class HostRoot:
     def resolve(self, rel: str) -> tuple[Path, os.stat_result] | None:
         """The host path and stat of *rel* inside the root, symlinks followed inside it; None if absent."""
         flags = os.O_PATH
-        resolve = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
+        resolve = pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS
         try:
             root_fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
-            fd = linux.openat2(root_fd, rel.lstrip("/") or ".", flags, resolve)
+            fd = pathrs.openat2(root_fd, rel.lstrip("/") or ".", flags, resolve)
         except (FileNotFoundError, NotADirectoryError):
             return None
         finally:
             os.close(root_fd)
         try:
-            return Path(linux.fd_path(fd)), os.fstat(fd)
+            return Path(pathrs.fd_path(fd)), os.fstat(fd)
         finally:
             os.close(fd)
 

@@ -2,35 +2,48 @@
 
 from __future__ import annotations
 
+import enum
+
 from gpuhook.errors import RequestError
-from gpuhook.inventory import Gpu, Inventory, bus_key
+from gpuhook.inventory import Gpu, LiveFacts, bus_key
+
+
+class HealthPolicy(enum.StrEnum):
+    """What a selected unhealthy GPU does to a start (config ``unhealthy_gpus``, the YAML takes the values)."""
+
+    #: the container is refused, naming the GPU, the problem and the fix
+    REFUSE = "refuse"
+    #: the container gets the GPU; the problems become the plan's warnings
+    WARN = "warn"
+    #: health is not looked at (nor is the kernel log read for Xids)
+    IGNORE = "ignore"
 
 
 class UnhealthyGpuError(RequestError):
     """A selected GPU is not fit to run work."""
 
 
-def problems(gpu: Gpu, inventory: Inventory) -> list[str]:
-    """Everything known to be wrong with *gpu*."""
+def problems(gpu: Gpu, live: LiveFacts) -> list[str]:
+    """Everything known to be wrong with *gpu*: its Xids in the kernel log now, and NVML's memory findings."""
     key = bus_key(gpu.pci_bus_id)
-    xids = [xid for bus, xid in inventory.xid_errors if bus == key]
+    xids = [xid for bus, xid in live.xid_errors if bus == key]
     found = list(gpu.health)
     if xids:
         found.insert(0, f"critical Xid {', '.join(map(str, xids))} in the kernel log")
     return found
 
 
-def check_health(gpus: tuple[Gpu, ...], inventory: Inventory, policy: str) -> tuple[str, ...]:
-    """Raise UnhealthyGpuError under "refuse"; under "warn" return the problems as warnings."""
-    if policy == "ignore":
+def check_health(gpus: tuple[Gpu, ...], live: LiveFacts, policy: HealthPolicy) -> tuple[str, ...]:
+    """Raise UnhealthyGpuError under REFUSE; under WARN return the problems as warnings."""
+    if policy == HealthPolicy.IGNORE:
         return ()
     warnings = []
     for gpu in gpus:
-        found = problems(gpu, inventory)
+        found = problems(gpu, live)
         if not found:
             continue
         what = f"GPU {gpu.index} ({gpu.uuid}, {gpu.pci_bus_id})"
-        if policy == "refuse":
+        if policy == HealthPolicy.REFUSE:
             raise UnhealthyGpuError(
                 f"{what} is unhealthy: {'; '.join(found)}. Fix: select another GPU, reset this one "
                 "(nvidia-smi -r) or drain the node; `unhealthy_gpus: warn` lets containers use it anyway"

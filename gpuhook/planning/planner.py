@@ -1,4 +1,9 @@
-"""make_plan: the heart of gpuhook, a pure function of the request and the inventory."""
+"""make_plan: the heart of gpuhook, a pure function of the request, the inventory, the live facts and the target.
+
+The inventory is what changes only with the driver (cached); the live facts are what
+a start reads fresh (extra nodes, Xids, the MIG layout and capability nodes), and
+``live_needs`` says which of them a request needs, so that a start reads no more.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from dataclasses import dataclass
 
 from gpuhook import catalog
 from gpuhook.errors import DiscoveryError, RequestError
-from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, MigDevice
+from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, LiveFacts, LiveNeeds, MigDevice, narrow_to_live
 from gpuhook.planning.paths import BIN_DIR, container_path
 from gpuhook.planning.plan import (
     BindMount,
@@ -20,10 +25,10 @@ from gpuhook.planning.plan import (
     Skipped,
     Symlink,
 )
-from gpuhook.planning.health import check_health
+from gpuhook.planning.health import HealthPolicy, check_health
 from gpuhook.planning.requirements import check_requirements
 from gpuhook.planning.select import Selection, select_devices
-from gpuhook.request.model import Capability, GpuRequest
+from gpuhook.request.model import Capability, GpuRequest, MigIndex, MigUuid
 
 #: Development symlinks NVIDIA adds (nvc_mount.c symlink_libraries); SONAME links come from ldconfig.
 CUDA_COMPAT_DIR = "/usr/local/cuda/compat"
@@ -46,7 +51,7 @@ class Target:
     #: look for the image's CUDA forward-compatibility libraries (config ``cuda_compat``)
     cuda_compat: bool = True
     #: what to do with a selected unhealthy GPU: "refuse", "warn" (a Skipped entry) or "ignore"
-    unhealthy_gpus: str = "refuse"
+    unhealthy_gpus: HealthPolicy = HealthPolicy.REFUSE
     #: (major, minor) of nodes the runtime already creates and allows (spec-edit mode): left to it
     runtime_devices: frozenset[tuple[int, int]] = frozenset()
 
@@ -61,24 +66,39 @@ class DevicePlan:
     skipped: tuple[Skipped, ...]
 
 
-def plan_devices(request: GpuRequest, inventory: Inventory) -> DevicePlan:
+def live_needs(request: GpuRequest, target: Target | None = None) -> LiveNeeds:
+    """The live facts planning *request* reads (*target* None: ``plan_devices`` alone, no health check)."""
+    return LiveNeeds(
+        extra_nodes=bool(request.imex_channels or request.gated),
+        xids=target is not None and target.unhealthy_gpus is not HealthPolicy.IGNORE,
+        # "all" selects every MIG device too (select_devices)
+        mig=(request.all_devices or request.mig_config or request.mig_monitor
+             or any(isinstance(d, MigIndex | MigUuid) for d in request.devices)),
+    )
+
+
+def plan_devices(request: GpuRequest, inventory: Inventory, live: LiveFacts) -> DevicePlan:
     """Select the GPUs, check the image's requirements, list the nodes; raises RequestError/DiscoveryError."""
+    inventory = narrow_to_live(inventory, live)
     selection = select_devices(request, inventory)
+    if (selection.migs or request.mig_config or request.mig_monitor) and live.mig_instances is None:
+        raise ValueError(f"{request.raw!r} uses MIG, but the MIG layout was not read: ask for live_needs(request)")
     gpus = selection.parents(inventory)
     check_requirements(request.requirements, inventory, gpus)
     skipped: list[Skipped] = []
     control = _control_devices(inventory, request.capabilities, skipped)
-    mig = tuple(_mig_caps(inventory, selection.migs)) + _mig_control_caps(request, inventory, selection, gpus)
-    extra = _imex_devices(inventory, request.imex_channels) + _gated_devices(inventory, request.gated, skipped)
+    mig = (tuple(_mig_caps(inventory, live, selection.migs))
+           + _mig_control_caps(request, inventory, live, selection, gpus))
+    extra = _imex_devices(live, request.imex_channels) + _gated_devices(live, request.gated, skipped)
     return DevicePlan(gpus=gpus, migs=selection.migs,
                       devices=control + tuple(_gpu_device(inventory, g) for g in gpus) + mig + extra,
                       skipped=tuple(skipped))
 
 
-def _mig_caps(inventory: Inventory, migs: tuple[MigDevice, ...]) -> list[DeviceNode]:
+def _mig_caps(inventory: Inventory, live: LiveFacts, migs: tuple[MigDevice, ...]) -> list[DeviceNode]:
     """The GPU-instance and compute-instance ``access`` capability nodes of each MIG device."""
     minors = dict(inventory.mig_minors)
-    nodes = {n.minor: n for n in inventory.caps_nodes}
+    nodes = {n.minor: n for n in live.caps_nodes}
     out: list[DeviceNode] = []
     for mig in migs:
         parent = inventory.gpus[mig.parent_index]
@@ -96,7 +116,7 @@ def _mig_caps(inventory: Inventory, migs: tuple[MigDevice, ...]) -> list[DeviceN
 
 
 def _mig_control_caps(
-    request: GpuRequest, inventory: Inventory, selection: Selection, gpus: tuple[Gpu, ...]
+    request: GpuRequest, inventory: Inventory, live: LiveFacts, selection: Selection, gpus: tuple[Gpu, ...]
 ) -> tuple[DeviceNode, ...]:
     """NVIDIA_MIG_CONFIG/MONITOR_DEVICES=all: the config/monitor cap and every instance cap of the GPUs."""
     wanted = [name for name, on in (("config", request.mig_config), ("monitor", request.mig_monitor)) if on]
@@ -109,7 +129,7 @@ def _mig_control_caps(
     missing = [name for name in wanted if name not in dict(inventory.mig_minors)]
     if missing:
         raise DiscoveryError(f"the driver lists no MIG {', '.join(missing)} capability (is MIG supported?)")
-    return tuple(_node(n) for n in inventory.caps_nodes if n.minor in minors)
+    return tuple(_node(n) for n in live.caps_nodes if n.minor in minors)
 
 
 def _cap_proc_file(cap: str) -> str:
@@ -124,9 +144,9 @@ def mig_cap_names(parent: Gpu, mig: MigDevice) -> tuple[str, str]:
     return gi, f"gpu{parent.minor}/gi{mig.gi}/ci{mig.ci}/access"
 
 
-def _imex_devices(inventory: Inventory, channels: tuple[int, ...]) -> tuple[DeviceNode, ...]:
+def _imex_devices(live: LiveFacts, channels: tuple[int, ...]) -> tuple[DeviceNode, ...]:
     """/dev/nvidia-caps-imex-channels/channelN for each requested channel; a missing one is refused."""
-    have = {n.name: n for n in inventory.extra_nodes}
+    have = {n.name: n for n in live.extra_nodes}
     out = []
     for channel in channels:
         node = have.get(f"{catalog.IMEX_DIR}/channel{channel}")
@@ -140,24 +160,25 @@ def _imex_devices(inventory: Inventory, channels: tuple[int, ...]) -> tuple[Devi
     return tuple(out)
 
 
-def _gated_devices(inventory: Inventory, gated: frozenset[str], skipped: list[Skipped]) -> tuple[DeviceNode, ...]:
+def _gated_devices(live: LiveFacts, gated: frozenset[str], skipped: list[Skipped]) -> tuple[DeviceNode, ...]:
     """The nodes of each NVIDIA_<NAME>=enabled family that the host has (absent ones are skipped)."""
     out: list[DeviceNode] = []
     for name in sorted(gated):
-        found = [n for n in inventory.extra_nodes if n.name.startswith(catalog.GATED_NODES[name])]
+        found = [n for n in live.extra_nodes if n.name.startswith(catalog.GATED_NODES[name])]
         if not found:
             skipped.append(Skipped(what=f"NVIDIA_{name.upper()}", reason="no such devices on this host"))
         out += [_node(n) for n in found]
     return tuple(out)
 
 
-def make_plan(request: GpuRequest, inventory: Inventory, target: Target) -> Plan:
+def make_plan(request: GpuRequest, inventory: Inventory, live: LiveFacts, target: Target) -> Plan:
     """Everything to inject for *request*; raises RequestError/DiscoveryError."""
-    device_plan = plan_devices(request, inventory)
+    device_plan = plan_devices(request, inventory, live)
     gpus = device_plan.gpus
     caps = request.capabilities
     skipped = list(device_plan.skipped)
-    warnings = check_health(gpus, inventory, target.unhealthy_gpus)
+    # check_health reads only .xid_errors, which live holds now (planning/health.py: take LiveFacts)
+    warnings = check_health(gpus, live, target.unhealthy_gpus)  # type: ignore[arg-type]
     devices = tuple(d for d in device_plan.devices if (d.major, d.minor) not in target.runtime_devices)
     libraries = _libraries(inventory.libraries, caps, target.libs_dir, skipped)
     libraries32 = (_libraries(inventory.libraries32, caps, target.libs32_dir, skipped, bits="32-bit ")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from gpuhook.request.quick import DEVICE_LIST_DIR
 from gpuhook.request.requirements import Requirement
 
 
@@ -68,6 +69,17 @@ class MigIndex:
 DeviceId = GpuIndex | GpuUuid | MigUuid | MigIndex
 
 
+class RequestSource(enum.StrEnum):
+    """Where a request's device list came from (the hook's four in NVIDIA's priority order); leads its messages."""
+
+    CDI_ANNOTATIONS = "CDI annotations"
+    VOLUME_MOUNTS = f"volume mounts under {DEVICE_LIST_DIR}"
+    VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+    LEGACY_IMAGE = "the legacy CUDA_VERSION image rule"
+    #: nvidia-container-cli configure --device (ctr run --gpus)
+    DEVICE_OPTION = "--device"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GpuRequest:
     """A container's resolved request; ``all_devices`` or the listed ``devices``.
@@ -87,6 +99,6 @@ class GpuRequest:
     #: NVIDIA_MIG_CONFIG_DEVICES=all / NVIDIA_MIG_MONITOR_DEVICES=all (privileged containers only)
     mig_config: bool = False
     mig_monitor: bool = False
-    source: str = "NVIDIA_VISIBLE_DEVICES"
+    source: RequestSource = RequestSource.VISIBLE_DEVICES
     #: the raw value the devices came from, for error messages
     raw: str = ""

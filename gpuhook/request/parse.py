@@ -8,10 +8,11 @@ Sources, in NVIDIA's priority order (cuda_image.go ``VisibleDevices``):
 3. the legacy-image rule: ``CUDA_VERSION`` set and ``NVIDIA_REQUIRE_CUDA``
    unset means all GPUs and all capabilities.
 
-The grammar is strict: every entry is an index, a ``GPU-``/``MIG-`` UUID, a
-``G:M`` MIG index or one of ``all``/``none``/``void``; anything else is
-refused with a message that names the value. Digits are ASCII only, because
-Python's ``int()`` also accepts "٣", "1_0" and " +3 " (security.md §3.4).
+This module finds the values and applies the container's policy (privilege,
+the config's accept_* switches); the grammar of the values themselves (device
+lists, IMEX channels, MIG control) is ``request.grammar``'s, shared with
+``nvidia-container-cli``. It is strict: anything outside it is refused with a
+message that names the value.
 """
 
 from __future__ import annotations
@@ -24,18 +25,9 @@ from typing import Final
 from gpuhook.errors import RequestError
 from gpuhook.oci.spec import BundleSpec
 from gpuhook.request import quick
+from gpuhook.request.grammar import decode_channels, decode_devices, decode_mig_control
+from gpuhook.request.model import ALL_CAPABILITIES, DEFAULT_CAPABILITIES, Capability, GpuRequest, RequestSource
 from gpuhook.request.quick import VISIBLE_DEVICES, is_legacy_image
-from gpuhook.request.model import (
-    ALL_CAPABILITIES,
-    DEFAULT_CAPABILITIES,
-    Capability,
-    DeviceId,
-    GpuIndex,
-    GpuRequest,
-    GpuUuid,
-    MigIndex,
-    MigUuid,
-)
 from gpuhook.request.requirements import Requirement, parse_requirement
 
 DRIVER_CAPABILITIES: Final = "NVIDIA_DRIVER_CAPABILITIES"
@@ -43,19 +35,8 @@ DISABLE_REQUIRE: Final = "NVIDIA_DISABLE_REQUIRE"
 REQUIRE_PREFIX: Final = "NVIDIA_REQUIRE_"
 DEVICE_LIST_DIR: Final = PurePosixPath(quick.DEVICE_LIST_DIR)
 
-_UUID: Final = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
-_INDEX_RE: Final = re.compile(r"[0-9]{1,4}")
-_CHANNEL_RE: Final = re.compile(r"[0-9]{1,7}")
-_GPU_UUID_RE: Final = re.compile(rf"GPU-{_UUID}")
-_MIG_UUID_RE: Final = re.compile(rf"MIG-{_UUID}|MIG-GPU-{_UUID}/[0-9]{{1,4}}/[0-9]{{1,4}}")
-_MIG_INDEX_RE: Final = re.compile(r"([0-9]{1,4}):([0-9]{1,4})")
 _TRUE: Final = frozenset({"1", "t", "T", "TRUE", "true", "True"})  # Go strconv.ParseBool
 _BLANKS: Final = quick.BLANKS
-
-ACCEPTED_FORMS: Final = (
-    "'all', 'none', 'void', or a comma-separated list of GPU indices (0,1), "
-    "GPU UUIDs (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx), MIG UUIDs (MIG-…) or MIG indices (0:1)"
-)
 
 
 def parse_request(
@@ -65,18 +46,17 @@ def parse_request(
     """The container's GPU request, or None when it asks for none ("void")."""
     env = spec.env
     legacy = is_legacy_image(env)
-    raw, source = (_cdi_annotation_devices(spec) if accept_cdi_annotations else None), "CDI annotations"
+    raw, source = (_cdi_annotation_devices(spec) if accept_cdi_annotations else None), RequestSource.CDI_ANNOTATIONS
     if raw is None:
         raw, source = _device_source(spec, legacy, accept_envvar_when_unprivileged, accept_volume_mounts)
     if raw is None:
         return None
-    devices = parse_visible_devices(raw, source=source)
+    devices = decode_devices(raw, source=source)
     if devices is None:
         return None
-    all_devices, ids = devices
     return GpuRequest(
-        all_devices=all_devices,
-        devices=ids,
+        all_devices=devices.all_devices,
+        devices=devices.devices,
         capabilities=parse_capabilities(env.get(DRIVER_CAPABILITIES), legacy=legacy),
         requirements=parse_requirements(env, legacy=legacy),
         imex_channels=_imex_channels(env) if spec.privileged or accept_envvar_when_unprivileged else (),
@@ -91,7 +71,6 @@ def parse_request(
 #: The feature-gated device families (nvidia-toolkit.md §2.5); the value must be exactly "enabled".
 GATED: Final = ("gds", "mofed", "nvswitch", "gdrcopy")
 IMEX_CHANNELS: Final = "NVIDIA_IMEX_CHANNELS"
-_MAX_IMEX_CHANNEL: Final = 1 << 20
 
 
 MIG_CONFIG: Final = "NVIDIA_MIG_CONFIG_DEVICES"
@@ -100,34 +79,21 @@ MIG_MONITOR: Final = "NVIDIA_MIG_MONITOR_DEVICES"
 
 def _mig_control(env: Mapping[str, str], name: str, *, privileged: bool) -> bool:
     """NVIDIA_MIG_CONFIG_DEVICES / _MONITOR_: only 'all', only in privileged containers (as NVIDIA)."""
-    value = env.get(name, "").strip(_BLANKS)
-    if not value:
-        return False
-    if not privileged:
+    raw = env.get(name, "")
+    value = raw.strip(_BLANKS)
+    if value and not privileged:
+        # Checked before the value: whatever it says, an unprivileged container may not have it.
         raise RequestError(
             f"{name}={value!r} in an unprivileged container: it grants control of every MIG instance of the GPUs; "
             "run the container privileged (CAP_SYS_ADMIN) or unset it"
         )
-    if value != "all":
-        raise RequestError(f"{name}={value!r}: only 'all' is supported")
-    return True
+    return decode_mig_control(raw, source=name)
 
 
 def _imex_channels(env: Mapping[str, str]) -> tuple[int, ...]:
     """NVIDIA_IMEX_CHANNELS: decimal channel ids below 2^20; "all" is ignored, as NVIDIA does."""
-    raw = env.get(IMEX_CHANNELS, "")
-    entries = [e.strip(_BLANKS) for e in raw.split(",") if e.strip(_BLANKS)]
-    if not entries or "all" in entries:
-        return ()
-    channels = []
-    for entry in entries:
-        if not _CHANNEL_RE.fullmatch(entry) or int(entry) >= _MAX_IMEX_CHANNEL:
-            raise RequestError(
-                f"{IMEX_CHANNELS}={raw!r}: {entry!r} is not a channel; expected comma-separated decimal ids "
-                f"below {_MAX_IMEX_CHANNEL}"
-            )
-        channels.append(int(entry))
-    return tuple(dict.fromkeys(channels))
+    decoded = decode_channels(env.get(IMEX_CHANNELS, ""), source=IMEX_CHANNELS)
+    return () if decoded.all_channels else decoded.channels
 
 
 def _cdi_annotation_devices(spec: BundleSpec) -> str | None:
@@ -146,20 +112,20 @@ def _cdi_annotation_devices(spec: BundleSpec) -> str | None:
 
 def _device_source(
     spec: BundleSpec, legacy: bool, accept_envvar_when_unprivileged: bool, accept_volume_mounts: bool
-) -> tuple[str | None, str]:
+) -> tuple[str | None, RequestSource]:
     """The raw device list and where it came from (nvidia-toolkit.md §2.2)."""
     if accept_volume_mounts:
         listed = [_device_list_entry(m.destination) for m in spec.mounts if m.source == "/dev/null"]
         names = list(dict.fromkeys(n for n in listed if n is not None and not n.startswith("imex/")))
         if names:
-            return ",".join(names), f"volume mounts under {DEVICE_LIST_DIR}"
+            return ",".join(names), RequestSource.VOLUME_MOUNTS
     if not spec.privileged and not accept_envvar_when_unprivileged:
-        return None, VISIBLE_DEVICES
+        return None, RequestSource.VISIBLE_DEVICES
     if VISIBLE_DEVICES in spec.env:
-        return spec.env[VISIBLE_DEVICES], VISIBLE_DEVICES
+        return spec.env[VISIBLE_DEVICES], RequestSource.VISIBLE_DEVICES
     if legacy:
-        return "all", "the legacy CUDA_VERSION image rule"
-    return None, VISIBLE_DEVICES
+        return "all", RequestSource.LEGACY_IMAGE
+    return None, RequestSource.VISIBLE_DEVICES
 
 
 def _device_list_entry(destination: str) -> str | None:
@@ -170,37 +136,6 @@ def _device_list_entry(destination: str) -> str | None:
     except ValueError:
         return None
     return str(name) if str(name) != "." else None
-
-
-def parse_visible_devices(raw: str, *, source: str = VISIBLE_DEVICES) -> tuple[bool, tuple[DeviceId, ...]] | None:
-    """``(all, ids)`` for a device list, or None for void (unset-equivalent)."""
-    entries = [e.strip(_BLANKS) for e in raw.split(",")]
-    entries = [e for e in entries if e]
-    if not entries or "void" in entries:
-        return None
-    for entry in entries:
-        if entry in ("all", "none"):
-            # NVIDIA: the first of all/none encountered decides.
-            return (True, ()) if entry == "all" else (False, ())
-    return False, tuple(dict.fromkeys(_parse_device_id(e, raw, source) for e in entries))
-
-
-def _parse_device_id(entry: str, raw: str, source: str) -> DeviceId:
-    """One entry of a device list."""
-    if _INDEX_RE.fullmatch(entry):
-        return GpuIndex(int(entry))
-    if _GPU_UUID_RE.fullmatch(entry):
-        return GpuUuid(entry)
-    if _MIG_UUID_RE.fullmatch(entry):
-        return MigUuid(entry)
-    if match := _MIG_INDEX_RE.fullmatch(entry):
-        return MigIndex(int(match[1]), int(match[2]))
-    if entry.startswith("cdi/") or "=" in entry:
-        raise RequestError(
-            f"{source}={raw!r}: {entry!r} is a CDI device name; gpuhook's hook takes indices or UUIDs. "
-            "Fix: request the GPU by index or UUID, or let a CDI-aware engine apply the CDI spec"
-        )
-    raise RequestError(f"{source}={raw!r}: {entry!r} is not a device; expected {ACCEPTED_FORMS}")
 
 
 def parse_capabilities(raw: str | None, *, legacy: bool = False) -> frozenset[Capability]:

@@ -1,10 +1,11 @@
-"""The inventory cache: its key, its file, and NVML asked only when the driver's identity changes."""
+"""The inventory cache: its key, its file, and NVML asked only when the driver's identity changes (not the MIG layout)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -30,8 +31,10 @@ from gpuhook.discovery.cache import (
     store_cache,
 )
 from gpuhook.discovery.host import HostDiscoverer
-from gpuhook.inventory import Inventory
-from integration.fakehost import FakeHost, create_host
+from gpuhook.inventory import Inventory, MigDevice, MigInstance
+from integration.fakehost import FakeHost, FakeMigDevice, create_host
+from integration.fakehost import mig as fake_mig
+from integration.fakehost.models import render_topology
 
 REPO = Path(__file__).parents[2]
 
@@ -99,6 +102,13 @@ class TestInventoryJson:
         """A real inventory survives JSON unchanged, paths and nested values included."""
         assert Inventory.from_dict(json.loads(json.dumps(inventory.to_dict()))) == inventory
 
+    def test_round_trip_with_mig(self, inventory: Inventory) -> None:
+        """MIG devices and the layout NVML was asked about survive too."""
+        mig = dataclasses.replace(
+            inventory, mig_devices=(MigDevice(parent_index=0, index=0, uuid="MIG-a", gi=7, ci=0, name="1g.10gb"),),
+            mig_layout=(MigInstance(gpu_minor=0, gi=7, ci=0), MigInstance(gpu_minor=0, gi=8, ci=0)))
+        assert Inventory.from_dict(json.loads(json.dumps(mig.to_dict()))) == mig
+
     def test_round_trip_without_proc_driver(self, inventory: Inventory) -> None:
         """A host without /proc/driver/nvidia (proc_driver None) round-trips too."""
         bare = dataclasses.replace(inventory, proc_driver=None)
@@ -114,6 +124,8 @@ class TestInventoryJson:
             pytest.param(lambda d: d.update(control_nodes={}), id="dict-for-list"),
             pytest.param(lambda d: d["proc_driver"].update(files=[["version"]]), id="short-pair"),
             pytest.param(lambda d: d.update(driver_version=550), id="int-for-str"),
+            pytest.param(lambda d: d.update(mig_layout=[[0, 7]]), id="short-mig-instance"),
+            pytest.param(lambda d: d.update(mig_layout=[[0, True, 0]]), id="bool-in-mig-instance"),
         ],
     )
     def test_wrong_types_are_refused(self, inventory: Inventory, damage: Callable[[dict[str, object]], object]) -> None:
@@ -174,7 +186,6 @@ class TestFingerprint:
             pytest.param({"proc_files": ()}, id="proc-files"),
             pytest.param({"proc_gpus": ()}, id="proc-gpus"),
             pytest.param({"dev_nodes": ()}, id="dev-nodes"),
-            pytest.param({"capabilities": (("mig", None),)}, id="mig-layout"),
             pytest.param({"ld_cache": (1, 2, 3, 4)}, id="ld-cache"),
             pytest.param({"driver_dirs": ()}, id="driver-dirs"),
             pytest.param({"ipc": ()}, id="ipc-sockets"),
@@ -217,13 +228,6 @@ def _new_driver_version(host: FakeHost) -> None:
     version.write_text(version.read_text().replace(host.driver_version, "550.90.07"))
 
 
-def _mig_instance(host: FakeHost) -> None:
-    """A MIG GPU instance was created (its capability files appear)."""
-    gi = host.root / "proc/driver/nvidia/capabilities/gpu0/mig/gi1"
-    gi.mkdir(parents=True)
-    (gi / "access").write_text("DeviceFileMinor: 12\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
-
-
 def _restart_persistenced(host: FakeHost) -> None:
     """nvidia-persistenced restarted: a new socket inode."""
     path = host.root / "run/nvidia-persistenced/socket"
@@ -241,7 +245,6 @@ HOST_CHANGES = [
     pytest.param(_remove_node, id="gpu-node-removed"),
     pytest.param(_touch_ld_cache, id="ld-so-cache-touched"),
     pytest.param(_new_driver_version, id="driver-reloaded"),
-    pytest.param(_mig_instance, id="mig-instance-created"),
     pytest.param(_restart_persistenced, id="persistenced-restarted"),
 ]
 
@@ -270,6 +273,119 @@ class TestIdentityChanges:
         assert len(cached().lookup().inventory.gpu_nodes) == 2
         _remove_node(target)
         assert [n.name for n in cached().lookup().inventory.gpu_nodes] == ["nvidia0"]
+
+
+#: GPU 0 of the MIG host: a 3g instance (GI 1) and two 1g ones (GI 7, 8), one compute instance each
+MIG_PROFILES = ("3g.40gb", "1g.10gb", "1g.10gb")
+#: the same GPU with one more 1g instance (GI 9), one the first inventory never saw
+GROWN_PROFILES = (*MIG_PROFILES, "1g.10gb")
+
+
+def _mig_devices(host: FakeHost, profiles: tuple[str, ...]) -> tuple[FakeMigDevice, ...]:
+    """GPU 0's MIG devices with *profiles*, as the simulated driver lays them out."""
+    return fake_mig.make_mig_devices(host.gpus, {0: profiles}, host.driver_version)
+
+
+def _set_topology(host: FakeHost, devices: tuple[FakeMigDevice, ...]) -> None:
+    """What the mock NVML reports from now on: *devices*, numbered per GPU in order (as NVML enumerates them)."""
+    numbered = tuple(dataclasses.replace(d, index=i) for i, d in enumerate(devices))
+    host.topology_path.write_text(render_topology(host.driver_version, host.cuda_version, host.gpus, numbered))
+
+
+def _destroy(host: FakeHost, device: FakeMigDevice) -> None:
+    """``nvidia-smi mig -dci -dgi``: the instance's capability files and nodes go away."""
+    shutil.rmtree(host.capabilities_dir / f"gpu{device.parent_minor}/mig/gi{device.gi}")
+    for minor in (device.gi_cap_minor, device.ci_cap_minor):
+        (host.root / f"dev/nvidia-caps/nvidia-cap{minor}").unlink()
+
+
+def _create(host: FakeHost, device: FakeMigDevice) -> None:
+    """``nvidia-smi mig -cgi -C`` then ``nvidia-modprobe -f``: capability files and their nodes appear."""
+    for rel, minor in ((device.gi_proc_path, device.gi_cap_minor), (device.ci_proc_path, device.ci_cap_minor)):
+        path = host.capabilities_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(fake_mig.capability_file(minor, fake_mig.ACCESS_MODE))
+        path.chmod(fake_mig.ACCESS_MODE)
+        os.mknod(host.root / f"dev/nvidia-caps/nvidia-cap{minor}", stat.S_IFCHR | fake_mig.ACCESS_MODE,
+                 os.makedev(host.caps_major, minor))
+
+
+def _start(host: FakeHost, cache_dir: Path, *, mig: bool) -> dict[str, object]:
+    """What a start in a fresh process gets from discovery.inventory_for (a fresh process loads this host's NVML).
+
+    In this long-lived process pynvml stays bound to the first simulated host it loaded
+    (see CountingDiscoverer), so NVML's MIG answers are only this host's in a new one.
+    """
+    code = (
+        "import json, sys; from pathlib import Path; from gpuhook.config import Config; "
+        "from gpuhook.discovery import inventory_for; from gpuhook.inventory import LiveNeeds; "
+        "r, c = Path(sys.argv[1]), Path(sys.argv[2]); "
+        "config = Config(driver_root=r, dev_root=r, proc_root=r, log_file=None, cache_dir=c); "
+        "found = inventory_for(config, LiveNeeds(mig=sys.argv[3] == 'mig')); "
+        "print(json.dumps({'outcome': found.outcome.value, 'pynvml': 'pynvml' in sys.modules, "
+        "'migs': [[m.parent_index, m.index, m.gi, m.uuid] for m in found.inventory.mig_devices], "
+        "'caps': [n.minor for n in found.live.caps_nodes]}))"
+    )
+    argv = [sys.executable, "-I", "-c", code, str(host.root), str(cache_dir), "mig" if mig else "whole"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO)
+    found: dict[str, object] = json.loads(out.stdout)
+    return found
+
+
+def _nvml_processes(host: FakeHost) -> int:
+    """How many processes have called NVML on *host* so far."""
+    return len({pid for pid, _ in host.nvml_calls()})
+
+
+class TestMigLayoutIsLive:
+    """Creating or destroying a MIG instance keeps the cache: the layout is read at each start, without NVML."""
+
+    @pytest.fixture
+    def target(self, tmp_path: Path) -> FakeHost:
+        """A fresh 2-GPU host with GPU 0 in MIG mode (GI 1, 7 and 8), which the test changes."""
+        return create_host(tmp_path / "host", gpus=2, mig={0: MIG_PROFILES})
+
+    def test_layout_changes_keep_the_key(self, target: FakeHost) -> None:
+        """The identity does not hold the capabilities tree or /dev/nvidia-caps: the key outlives MIG changes."""
+        config = _config(target.root, None)
+        key = fingerprint(read_identity(config))
+        _destroy(target, target.mig_devices[1])
+        assert fingerprint(read_identity(config)) == key
+        _create(target, _mig_devices(target, GROWN_PROFILES)[3])
+        assert fingerprint(read_identity(config)) == key
+
+    def test_destroyed_instance_is_no_longer_offered_and_nvml_is_not_asked(self, target: FakeHost,
+                                                                           tmp_path: Path) -> None:
+        """GI 7 destroyed: the next start is a hit without pynvml; GI 8's device moves down to 0:1, GI 7's nodes go."""
+        cache = tmp_path / "cache"
+        first = _start(target, cache, mig=True)
+        one, two, three = target.mig_devices
+        assert first["outcome"] == "absent" and _nvml_processes(target) == 1
+        assert first["migs"] == [[0, 0, one.gi, one.uuid], [0, 1, two.gi, two.uuid], [0, 2, three.gi, three.uuid]]
+        _destroy(target, two)
+        _set_topology(target, (one, three))
+        after = _start(target, cache, mig=True)
+        assert after["outcome"] == "hit" and after["pynvml"] is False and _nvml_processes(target) == 1
+        assert after["migs"] == [[0, 0, one.gi, one.uuid], [0, 1, three.gi, three.uuid]]
+        caps = after["caps"]
+        assert isinstance(caps, list) and two.gi_cap_minor not in caps and three.ci_cap_minor in caps
+
+    def test_new_instance_costs_one_rebuild_only_for_a_start_that_may_use_it(self, target: FakeHost,
+                                                                            tmp_path: Path) -> None:
+        """GI 9 created: a whole-GPU start is still a hit; the first MIG start asks NVML once; the next is a hit."""
+        cache = tmp_path / "cache"
+        assert _start(target, cache, mig=True)["outcome"] == "absent"
+        grown = _mig_devices(target, GROWN_PROFILES)
+        _create(target, grown[3])
+        _set_topology(target, grown)
+        whole = _start(target, cache, mig=False)
+        assert whole["outcome"] == "hit" and whole["pynvml"] is False and _nvml_processes(target) == 1
+        mig = _start(target, cache, mig=True)
+        assert mig["outcome"] == "mig-changed" and _nvml_processes(target) == 2
+        assert [0, 3, grown[3].gi, grown[3].uuid] in mig["migs"]  # type: ignore[operator]
+        again = _start(target, cache, mig=True)
+        assert again["outcome"] == "hit" and again["pynvml"] is False and _nvml_processes(target) == 2
+        assert again["migs"] == mig["migs"]
 
 
 class TestCachedDiscoverer:

@@ -4,12 +4,13 @@ import json
 import os
 import sys
 
-from gpuhook import linux
 from gpuhook.apply.cgroups import locate_device_cgroup
+from gpuhook.sys import syscalls
 
 state = json.load(sys.stdin)
 cgroup = locate_device_cgroup(state["pid"])
 fd = os.open(cgroup.path, os.O_RDONLY | os.O_DIRECTORY)
-lines = [linux.bpf_program_instructions(linux.bpf_program_fd(i)).hex() for i in linux.bpf_query_device_programs(fd)]
+programs = syscalls.bpf_query_device_programs(fd)
+lines = [syscalls.bpf_program_instructions(syscalls.bpf_program_fd(i)).hex() for i in programs]
 with open(sys.argv[1], "w") as out:
     out.write("\n".join(lines) + "\n")

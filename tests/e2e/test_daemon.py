@@ -17,7 +17,7 @@ import pytest
 
 from gpuhook import __version__
 from gpuhook.daemon import client, wire
-from gpuhook.errors import ApplyError
+from gpuhook.errors import DaemonError
 from integration.engines import tree_snapshot
 from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
@@ -216,7 +216,7 @@ def test_an_answerless_daemon_fails_the_hook(tmp_path: Path) -> None:
         conn.recv(1 << 16)
         os._exit(0)
     try:
-        with pytest.raises(ApplyError, match="no complete answer"):
+        with pytest.raises(DaemonError, match="no complete answer"):
             client.call_daemon(path, config=None, debug=False, env={}, state=b"{}", spec=b"{}")
     finally:
         os.waitpid(pid, 0)
@@ -319,5 +319,6 @@ def test_hook_side_of_a_served_request_imports_only_the_client(make_container: M
     result = make_container("devopen /dev/nvidia1", {"NVIDIA_VISIBLE_DEVICES": "1"}, hook=hook).run()
     assert result.returncode == 0, result.stderr
     assert "/dev/nvidia1 ENXIO" in result.stdout
-    client_side = {"gpuhook.daemon", "gpuhook.daemon.client", "gpuhook.daemon.wire", "_socket"}
+    client_side = {"gpuhook.daemon", "gpuhook.daemon.client", "gpuhook.daemon.wire", "gpuhook.sys", "gpuhook.sys.fdpass",
+                   "_socket"}
     assert set(ast.literal_eval(report.read_text())) <= NO_GPU_PATH | client_side

@@ -9,6 +9,7 @@ import pytest
 from gpuhook.apply.cgroups import DeviceCgroup, _covered, cgroup_mounts, locate_device_cgroup, parse_cgroup_file
 from gpuhook.errors import ApplyError
 from gpuhook.planning.plan import CgroupRule
+from gpuhook.sys.mountinfo import parse_mountinfo
 
 MOUNTINFO = (
     "30 25 0:26 / /sys/fs/cgroup/cpu rw,relatime shared:9 - cgroup cgroup rw,cpu\n"
@@ -58,8 +59,9 @@ def test_refusals(tmp_path: Path, cgroup: str, message: str) -> None:
 
 def test_parsers() -> None:
     """mountinfo and /proc/pid/cgroup decoding."""
-    assert cgroup_mounts(MOUNTINFO, v2=False) == [("/", "/sys/fs/cgroup/devices")]
-    assert cgroup_mounts(MOUNTINFO, v2=True) == [("/", "/sys/fs/cgroup/unified")]
+    mounts = parse_mountinfo(MOUNTINFO + "41 25 0:37 /a\\040b /mnt/dev\\040ices rw - cgroup cgroup rw,devices\n")
+    assert cgroup_mounts(mounts, v2=False) == [("/", "/sys/fs/cgroup/devices"), ("/a b", "/mnt/dev ices")]
+    assert cgroup_mounts(mounts, v2=True) == [("/", "/sys/fs/cgroup/unified")]
     assert parse_cgroup_file("12:cpu,cpuacct:/x\n0::/y\n") == {"cpu": "/x", "cpuacct": "/x", "": "/y"}
 
 

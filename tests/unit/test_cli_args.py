@@ -1,13 +1,10 @@
-"""NVIDIA's hook argv and the no-op stages."""
+"""NVIDIA's hook argv, translated once (``hookcall``) for the Python front-end and gpuhookd alike."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 
-from gpuhook.cli import main
-from gpuhook.cli.nvidia import translate
+from gpuhook.hookcall import parse_hook_argv, relayed_hook_args, translate_nvidia_argv
 
 
 @pytest.mark.parametrize(
@@ -23,7 +20,7 @@ from gpuhook.cli.nvidia import translate
 )
 def test_nvidia_argv_is_translated(argv: list[str], expected: list[str]) -> None:
     """Go-flag style argv becomes gpuhook's argv."""
-    assert translate(argv) == expected
+    assert translate_nvidia_argv(argv) == expected
 
 
 @pytest.mark.parametrize(
@@ -38,13 +35,30 @@ def test_nvidia_argv_is_translated(argv: list[str], expected: list[str]) -> None
 )
 def test_nvidia_argv_messages(argv: list[str], message: str) -> None:
     """Usage problems and -version come back as text."""
-    result = translate(argv)
+    result = translate_nvidia_argv(argv)
     assert isinstance(result, str) and message in result
 
 
-def test_noop_stages_drain_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
-    """poststart/poststop read the state and succeed without touching anything."""
-    stdin = io.TextIOWrapper(io.BytesIO(b'{"id":"x","status":"stopped","bundle":"/b"}'))
-    monkeypatch.setattr("sys.stdin", stdin)
-    assert main(["poststop"]) == 0
-    assert stdin.buffer.read() == b""
+@pytest.mark.parametrize(
+    ("argv", "stage", "action"),
+    [
+        pytest.param(["gpuhook", "prestart"], "prestart", "start", id="gpuhook-prestart"),
+        pytest.param(["gpuhook", "--config", "/c", "createRuntime"], "createRuntime", "start", id="create-runtime"),
+        pytest.param(["gpuhook", "poststop"], "poststop", "stop", id="poststop"),
+        pytest.param(["nvidia-container-runtime-hook", "-config=/c", "poststart"], "poststart", "nothing",
+                     id="nvidia-poststart"),
+    ],
+)
+def test_the_stage_table_decides_what_a_call_does(argv: list[str], stage: str, action: str) -> None:
+    """One table for every front-end: the same stage does the same thing under either name."""
+    args = relayed_hook_args(argv)
+    assert args is not None
+    assert (args.stage, args.action) == (stage, action)
+    assert parse_hook_argv(argv[1:]) is not None or argv[0] != "gpuhook"
+
+
+@pytest.mark.parametrize("argv", [["gpuhook", "info"], ["nvidia-container-runtime-hook", "-version"], ["sh", "-c"],
+                                  []])
+def test_what_is_not_a_hook_call_is_left_to_the_cli(argv: list[str]) -> None:
+    """Help, version, other commands and other programs are not hook calls."""
+    assert relayed_hook_args(argv) is None

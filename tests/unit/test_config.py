@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuhook.config import DEFAULT_PATH, Config, load_config, parse_config, resolve_config_path
+from gpuhook.config import DEFAULT_PATH, Config, HealthPolicy, LogLevel, load_config, parse_config, resolve_config_path
 from gpuhook.errors import ConfigError
 
 SHIPPED = Path(__file__).parents[2] / "config" / "gpuhook.yaml"
@@ -49,6 +49,24 @@ def test_cache_dir() -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param("unhealthy_gpus: warn\nlog_level: debug\n", (HealthPolicy.WARN, LogLevel.DEBUG), id="flat"),
+        pytest.param("unhealthy_gpus: 'ignore'\nlog_level: \"error\"\n", (HealthPolicy.IGNORE, LogLevel.ERROR),
+                     id="quoted"),
+        pytest.param("{unhealthy_gpus: refuse, log_level: warning}\n", (HealthPolicy.REFUSE, LogLevel.WARNING),
+                     id="pyyaml"),
+        pytest.param("", (HealthPolicy.REFUSE, LogLevel.INFO), id="defaults"),
+    ],
+)
+def test_policy_words_become_enum_members(text: str, expected: tuple[HealthPolicy, LogLevel]) -> None:
+    """The YAML keeps its words; Config holds the members, whichever reader read the file."""
+    config = parse_config(text)
+    assert (config.unhealthy_gpus, config.log_level) == expected
+    assert type(config.unhealthy_gpus) is HealthPolicy and type(config.log_level) is LogLevel
+
+
+@pytest.mark.parametrize(
     ("text", "message"),
     [
         pytest.param("driver_rot: /\n", "unknown setting.*driver_rot", id="typo"),
@@ -56,7 +74,14 @@ def test_cache_dir() -> None:
         pytest.param("cache_dir: run/gpuhook\n", "cache_dir must be an absolute path", id="relative-cache"),
         pytest.param("cache_dir: false\n", "cache_dir must be an absolute path", id="bool-cache"),
         pytest.param("no_cgroups: 'yes'\n", "no_cgroups must be true or false", id="string-bool"),
-        pytest.param("log_level: loud\n", "log_level must be one of", id="level"),
+        pytest.param("log_level: loud\n", "log_level must be one of debug, info, warning, error, got 'loud'",
+                     id="level"),
+        pytest.param("log_level: 1\n", "log_level must be one of debug, info, warning, error, got 1", id="level-int"),
+        pytest.param("log_level: INFO\n", "log_level must be one of", id="level-upper-case"),
+        pytest.param("unhealthy_gpus: fail\n", "unhealthy_gpus must be one of refuse, warn, ignore, got 'fail'",
+                     id="health"),
+        pytest.param("unhealthy_gpus: [warn]\n", r"unhealthy_gpus must be one of .*got \['warn'\]",
+                     id="health-list"),
         pytest.param("timeout_seconds: 0\n", "timeout_seconds", id="timeout"),
         pytest.param("- a\n", "expected a mapping", id="list"),
         pytest.param("a: [\n", "not valid YAML", id="yaml"),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpuhook.doctor import Verdict, cgroup_checks, cgroup_driver, cgroup_mode
+from gpuhook.sys.mountinfo import parse_mountinfo
 from integration.fakehost import FakeHost
 
 HYBRID = ("30 25 0:26 / /sys/fs/cgroup/devices rw - cgroup cgroup rw,devices\n"
@@ -20,9 +21,11 @@ UNIFIED = "30 25 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
 
 def test_cgroup_modes() -> None:
     """Unified, hybrid and plain v1 hosts are told apart from mountinfo."""
-    assert cgroup_mode(UNIFIED) == "v2"
-    assert cgroup_mode(HYBRID) == "hybrid"
-    assert cgroup_mode(HYBRID.splitlines()[0]) == "v1"
+    assert cgroup_mode(parse_mountinfo(UNIFIED)) == "v2"
+    assert cgroup_mode(parse_mountinfo(HYBRID)) == "hybrid"
+    assert cgroup_mode(parse_mountinfo(HYBRID.splitlines()[0])) == "v1"
+    # a cgroup2 mounted over the v1 tree at /sys/fs/cgroup (runc in v2 mode) makes it unified
+    assert cgroup_mode(parse_mountinfo(HYBRID + "50 25 0:40 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n" + UNIFIED)) == "v2"
 
 
 @pytest.mark.parametrize(

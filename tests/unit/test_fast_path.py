@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from gpuhook.cli import hook_argv, _parser
+from gpuhook.cli import _parser
+from gpuhook.hookcall import parse_hook_argv
 
 REPO = Path(__file__).parents[2]
 #: Everything the no-GPU path may import beyond the interpreter's own start-up: the C JSON scanner, select,
 #: two tiny modules (__future__, types) and gpuhook's light modules; no contextlib (~4 ms), typing,
 #: dataclasses, re, pathlib, ctypes, YAML or logging.
-ALLOWED = {"__future__", "types", "_json", "select", "gpuhook", "gpuhook.cli",
-           "gpuhook.cli.hook", "gpuhook.cli.hygiene", "gpuhook.cli.inputs", "gpuhook.errors", "gpuhook.oci",
-           "gpuhook.oci.strictjson", "gpuhook.request", "gpuhook.request.quick"}
+ALLOWED = {"__future__", "types", "_json", "select", "gpuhook", "gpuhook.cli", "gpuhook.cli.hook", "gpuhook.hookcall",
+           "gpuhook.errors", "gpuhook.oci", "gpuhook.oci.strictjson", "gpuhook.request", "gpuhook.request.quick"}
 
 
 @pytest.mark.parametrize(
@@ -35,10 +35,10 @@ ALLOWED = {"__future__", "types", "_json", "select", "gpuhook", "gpuhook.cli",
 )
 def test_hook_argv_agrees_with_argparse(argv: list[str]) -> None:
     """The hand decoder gives exactly what argparse gives for the argv shapes runtimes send."""
-    fast = hook_argv(argv)
+    fast = parse_hook_argv(argv)
     slow = _parser().parse_args(argv)
     assert fast is not None
-    assert (fast.command, fast.config, fast.debug) == (slow.command, slow.config, slow.debug)
+    assert (fast.stage, fast.config, fast.debug) == (slow.command, slow.config, slow.debug)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def test_hook_argv_agrees_with_argparse(argv: list[str]) -> None:
 )
 def test_anything_else_goes_to_argparse(argv: list[str]) -> None:
     """Help, version, other commands and mistakes are left to argparse (usage text, exit 2)."""
-    assert hook_argv(argv) is None
+    assert parse_hook_argv(argv) is None
 
 
 def test_no_gpu_start_loads_nothing_heavy(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from gpuhook.discovery.health import parse_xids
-from gpuhook.inventory import Inventory, bus_key
-from gpuhook.planning.health import UnhealthyGpuError, check_health
+from gpuhook.inventory import Inventory, LiveFacts, bus_key
+from gpuhook.planning.health import HealthPolicy, UnhealthyGpuError, check_health
 
 from .test_planner import _fields, _gpu, inventory
 
@@ -29,26 +29,30 @@ def test_critical_xids_are_found_per_bus() -> None:
 
 
 def _host() -> Inventory:
-    """GPU 2 (bus 0x19) had Xid 79; GPU 3 has pending retired pages."""
+    """GPU 3 has pending retired pages (NVML's answer, cached)."""
     inv = inventory()
     gpus = (*inv.gpus[:3], replace(inv.gpus[3], health=("retired memory pages are pending",)))
-    return Inventory(**{**_fields(inv), "gpus": gpus, "xid_errors": parse_xids(LOG)})
+    return Inventory(**{**_fields(inv), "gpus": gpus})
+
+
+#: GPU 2 (bus 0x19) had Xid 79: read from the kernel log at the start, never cached
+LIVE = LiveFacts(xid_errors=parse_xids(LOG))
 
 
 def test_refuse_names_the_gpu_and_the_problem() -> None:
     """Under refuse, a selected unhealthy GPU refuses the container with what is wrong and the fix."""
     host = _host()
     with pytest.raises(UnhealthyGpuError, match=r"GPU 2 .* critical Xid 79 in the kernel log.*nvidia-smi -r"):
-        check_health((host.gpus[2],), host, "refuse")
+        check_health((host.gpus[2],), LIVE, HealthPolicy.REFUSE)
     with pytest.raises(UnhealthyGpuError, match="retired memory pages are pending"):
-        check_health((host.gpus[3],), host, "refuse")
-    assert check_health((host.gpus[0], host.gpus[1]), host, "refuse") == ()
+        check_health((host.gpus[3],), LIVE, HealthPolicy.REFUSE)
+    assert check_health((host.gpus[0], host.gpus[1]), LIVE, HealthPolicy.REFUSE) == ()
 
 
 def test_warn_and_ignore() -> None:
     """warn returns one warning per unhealthy GPU; ignore looks at nothing."""
     host = _host()
-    warnings = check_health(host.gpus, host, "warn")
+    warnings = check_health(host.gpus, LIVE, HealthPolicy.WARN)
     assert len(warnings) == 2 and "used anyway" in warnings[0]
-    assert check_health(host.gpus, host, "ignore") == ()
+    assert check_health(host.gpus, LIVE, HealthPolicy.IGNORE) == ()
     assert _gpu(0).health == ()

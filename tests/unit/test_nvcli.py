@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from gpuhook.cli.nvcli import Configure, UsageError, main, parse_globals, translate_configure
+from gpuhook.errors import RequestError
 from gpuhook.oci.spec import BundleSpec
-from gpuhook.request.model import ALL_CAPABILITIES, Capability, GpuIndex, GpuRequest, GpuUuid, MigIndex, MigUuid
+from gpuhook.request.model import (
+    ALL_CAPABILITIES, Capability, GpuIndex, GpuRequest, GpuUuid, MigIndex, MigUuid, RequestSource,
+)
 from gpuhook.request.parse import parse_request
 from integration.fakehost import FakeHost
 
@@ -36,7 +40,7 @@ def test_ctr_argv_is_the_hooks_request() -> None:
                       rootfs=Path(ROOTFS), privileged=False)
     from_env = parse_request(spec, accept_envvar_when_unprivileged=True, accept_volume_mounts=False)
     assert from_env is not None
-    assert call.request == dataclasses.replace(from_env, source="--device", raw="0,1")
+    assert call.request == dataclasses.replace(from_env, source=RequestSource.DEVICE_OPTION, raw="0,1")
     assert (call.pid, call.rootfs, call.no_cgroups, call.cuda_compat) == (4242, Path(ROOTFS), False, True)
 
 
@@ -91,6 +95,69 @@ def test_nvidia_hook_argv() -> None:
     assert request.imex_channels == (3, 1)
     assert [str(r) for r in request.requirements] == ["cuda>=12.0 brand=tesla", "cuda>=11.8"]
     assert (call.no_cgroups, call.cuda_compat, call.pid) == (True, False, 99)
+
+
+def outcome(decode: Callable[[], object], name: str, value: str) -> object:
+    """What *decode* returns, or its refusal's text after the ``NAME='value'`` that each front-end puts first."""
+    try:
+        return decode()
+    except (RequestError, UsageError) as err:
+        prefix = f"{name}={value!r}"
+        assert str(err).startswith(prefix)
+        return str(err).removeprefix(prefix)
+
+
+def env_request(env: dict[str, str]) -> GpuRequest:
+    """The hook's request from NVIDIA_* variables, in a privileged container (so MIG control may be asked)."""
+    request = parse_request(BundleSpec(env={"NVIDIA_VISIBLE_DEVICES": "0"} | env, rootfs=Path(ROOTFS),
+                                       privileged=True),
+                            accept_envvar_when_unprivileged=True, accept_volume_mounts=False)
+    assert request is not None
+    return request
+
+
+def cli_request(*options: str) -> GpuRequest:
+    """The request of a configure argv with *options* (and --device=0 unless they name devices)."""
+    devices = [] if any(o.startswith("--device=") for o in options) else ["--device=0"]
+    return translate(["configure", *devices, *options, "--pid=7", ROOTFS]).request
+
+
+@pytest.mark.parametrize("devices", ["0,1", "all", "none", "0,all", f"{UUID0},{MIG0},0:1", "1,1", " 2 ,, 0:1 ",
+                                     "x", "0,nvidia.com/gpu=1", "0,٣", "00000"])
+def test_device_lists_decode_alike(devices: str) -> None:
+    """--device and NVIDIA_VISIBLE_DEVICES share one grammar: the same ids, or the same refusal under each name."""
+    def chosen(request: GpuRequest) -> tuple[bool, tuple[object, ...]]:
+        return request.all_devices, request.devices
+
+    from_env = outcome(lambda: chosen(env_request({"NVIDIA_VISIBLE_DEVICES": devices})), "NVIDIA_VISIBLE_DEVICES",
+                       devices)
+    from_cli = outcome(lambda: chosen(cli_request(f"--device={devices}")), "--device", devices)
+    assert from_env == from_cli
+
+
+@pytest.mark.parametrize("channels", ["3", "3, 0,3", "1,,2", "", "-1", "0,1048576", "a", "2,none"])
+def test_imex_channel_lists_decode_alike(channels: str) -> None:
+    """--imex-channel and NVIDIA_IMEX_CHANNELS share one decoder: the same ids, or the same refusal."""
+    from_env = outcome(lambda: env_request({"NVIDIA_IMEX_CHANNELS": channels}).imex_channels,
+                       "NVIDIA_IMEX_CHANNELS", channels)
+    from_cli = outcome(lambda: cli_request(f"--imex-channel={channels}").imex_channels, "--imex-channel", channels)
+    assert from_env == from_cli
+
+
+def test_imex_all_is_ignored_by_the_hook_and_refused_by_the_cli() -> None:
+    """The one difference: NVIDIA_IMEX_CHANNELS=all is ignored (as NVIDIA does); argv must name channel ids."""
+    assert env_request({"NVIDIA_IMEX_CHANNELS": "all"}).imex_channels == ()
+    with pytest.raises(UsageError, match=r"--imex-channel='all': 'all' is not a channel id"):
+        cli_request("--imex-channel=all")
+
+
+@pytest.mark.parametrize("value", ["all", " all", "0", "all,all", "ALL"])
+def test_mig_control_decodes_alike(value: str) -> None:
+    """--mig-config and NVIDIA_MIG_CONFIG_DEVICES (privileged): 'all' or the same refusal."""
+    from_env = outcome(lambda: env_request({"NVIDIA_MIG_CONFIG_DEVICES": value}).mig_config,
+                       "NVIDIA_MIG_CONFIG_DEVICES", value.strip())
+    from_cli = outcome(lambda: cli_request(f"--mig-config={value}").mig_config, "--mig-config", value.strip())
+    assert from_env == from_cli
 
 
 def test_global_options() -> None:

@@ -7,14 +7,29 @@ from pathlib import Path
 import pytest
 
 from gpuhook.errors import DiscoveryError, RequestError, UnknownDeviceError
-from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, MigDevice, ProcDriver
+from gpuhook.inventory import (
+    DriverFile,
+    Gpu,
+    HostDevice,
+    Inventory,
+    LiveFacts,
+    LiveNeeds,
+    MigDevice,
+    MigInstance,
+    ProcDriver,
+    narrow_to_live,
+    unseen_instances,
+)
+from gpuhook.planning.health import HealthPolicy
 from gpuhook.planning.paths import container_path, libs_dir
-from gpuhook.planning.planner import Target, make_plan
+from gpuhook.planning.planner import Target, live_needs, make_plan, plan_devices
 from gpuhook.request.model import ALL_CAPABILITIES, Capability, GpuIndex, GpuRequest, GpuUuid, MigIndex, MigUuid
 
 VER = "550.54.15"
 LIBS = "/usr/lib/x86_64-linux-gnu"
 TARGET = Target(libs_dir=LIBS)
+#: a start that reads nothing live (no extra nodes asked for, no Xids, no MIG)
+LIVE = LiveFacts()
 
 
 def _gpu(i: int) -> Gpu:
@@ -59,7 +74,7 @@ def req(*devices, caps=frozenset({Capability.COMPUTE, Capability.UTILITY}), all_
 
 def test_two_gpus_compute_utility() -> None:
     """GPUs 1 and 3: their nodes, the control nodes, compute+utility files, exact cgroup rules."""
-    plan = make_plan(req(GpuIndex(1), GpuIndex(3)), inventory(), TARGET)
+    plan = make_plan(req(GpuIndex(1), GpuIndex(3)), inventory(), LIVE, TARGET)
     assert [d.path for d in plan.devices] == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
                                               "/dev/nvidia1", "/dev/nvidia3"]
     rules = ["c 195:255 rw", "c 511:0 rw", "c 511:1 rw", "c 195:1 rw", "c 195:3 rw"]
@@ -77,7 +92,7 @@ def test_two_gpus_compute_utility() -> None:
 
 def test_proc_driver_is_masked_and_per_gpu() -> None:
     """ModifyDeviceFiles becomes 0; only the selected GPUs' proc dirs are bound (32-bit domain→16-bit)."""
-    plan = make_plan(req(GpuIndex(1), GpuIndex(3)), inventory(), TARGET)
+    plan = make_plan(req(GpuIndex(1), GpuIndex(3)), inventory(), LIVE, TARGET)
     assert plan.proc_driver is not None
     assert dict(plan.proc_driver.files)["params"] == "EnableMSI: 1\nModifyDeviceFiles: 0\n"
     assert [name for _, name in plan.proc_driver.gpu_dirs] == ["0000:18:00.0", "0000:1a:00.0"]
@@ -85,23 +100,23 @@ def test_proc_driver_is_masked_and_per_gpu() -> None:
 
 def test_none_injects_the_driver_without_gpus() -> None:
     """NVIDIA_VISIBLE_DEVICES=none: control nodes and libraries, no /dev/nvidiaN."""
-    plan = make_plan(req(), inventory(), TARGET)
+    plan = make_plan(req(), inventory(), LIVE, TARGET)
     assert not any(d.path.startswith("/dev/nvidia") and d.path[11:].isdigit() for d in plan.devices)
     assert plan.mounts and plan.gpus == ()
 
 
 def test_all_and_uuid_selection() -> None:
     """all selects every GPU; a UUID matches case-insensitively."""
-    assert len(make_plan(req(all_devices=True), inventory(), TARGET).gpus) == 4
-    plan = make_plan(req(GpuUuid("GPU-" + _gpu(2).uuid[4:].upper())), inventory(), TARGET)
+    assert len(make_plan(req(all_devices=True), inventory(), LIVE, TARGET).gpus) == 4
+    plan = make_plan(req(GpuUuid("GPU-" + _gpu(2).uuid[4:].upper())), inventory(), LIVE, TARGET)
     assert plan.gpus == (_gpu(2).uuid,)
 
 
 def test_video_implies_compute_libs_and_display_implies_graphics() -> None:
     """libnvidia-container's implied sets."""
-    video = {m.target for m in make_plan(req(caps={Capability.VIDEO}), inventory(), TARGET).mounts}
+    video = {m.target for m in make_plan(req(caps={Capability.VIDEO}), inventory(), LIVE, TARGET).mounts}
     assert f"{LIBS}/libcuda.so.{VER}" in video and f"{LIBS}/libnvidia-encode.so.{VER}" in video
-    display = make_plan(req(caps={Capability.DISPLAY}), inventory(), TARGET)
+    display = make_plan(req(caps={Capability.DISPLAY}), inventory(), LIVE, TARGET)
     assert f"{LIBS}/libGLX_nvidia.so.{VER}" in {m.target for m in display.mounts}
     assert "/dev/nvidia-modeset" in {d.path for d in display.devices}
 
@@ -109,7 +124,7 @@ def test_video_implies_compute_libs_and_display_implies_graphics() -> None:
 def test_unknown_index_names_it_and_lists_what_exists() -> None:
     """NVIDIA_VISIBLE_DEVICES=9 on a 4-GPU host."""
     with pytest.raises(UnknownDeviceError) as excinfo:
-        make_plan(req(GpuIndex(9)), inventory(), TARGET)
+        make_plan(req(GpuIndex(9)), inventory(), LIVE, TARGET)
     message = str(excinfo.value)
     assert "no GPU with index 9" in message and "it has 4 GPUs" in message and _gpu(3).uuid in message
 
@@ -117,7 +132,7 @@ def test_unknown_index_names_it_and_lists_what_exists() -> None:
 def test_mig_on_a_host_without_mig() -> None:
     """A MIG index is refused with a clear reason when the host has no MIG devices."""
     with pytest.raises(UnknownDeviceError, match=r"no MIG device 0:1 .*MIG devices: none"):
-        make_plan(req(MigIndex(0, 1)), inventory(), TARGET)
+        make_plan(req(MigIndex(0, 1)), inventory(), LIVE, TARGET)
 
 
 def test_missing_gpu_node_and_control_node_are_host_errors() -> None:
@@ -125,24 +140,24 @@ def test_missing_gpu_node_and_control_node_are_host_errors() -> None:
     inv = inventory()
     no_node = Inventory(**{**_fields(inv), "gpu_nodes": inv.gpu_nodes[:1]})
     with pytest.raises(DiscoveryError, match="nvidia-modprobe -c=1"):
-        make_plan(req(GpuIndex(1)), no_node, TARGET)
+        make_plan(req(GpuIndex(1)), no_node, LIVE, TARGET)
     no_ctl = Inventory(**{**_fields(inv), "control_nodes": ()})
     with pytest.raises(DiscoveryError, match="/dev/nvidiactl is missing"):
-        make_plan(req(GpuIndex(0)), no_ctl, TARGET)
+        make_plan(req(GpuIndex(0)), no_ctl, LIVE, TARGET)
 
 
 def test_missing_optional_items_are_skipped_as_data() -> None:
     """Absent optional libraries and nodes become Skipped entries, not silence."""
     inv = inventory()
     without_proc = Inventory(**{**_fields(inv), "proc_driver": None})
-    plan = make_plan(req(GpuIndex(0), caps=ALL_CAPABILITIES), without_proc, TARGET)
+    plan = make_plan(req(GpuIndex(0), caps=ALL_CAPABILITIES), without_proc, LIVE, TARGET)
     skipped = {s.what for s in plan.skipped}
     assert {"libnvidia-ngx.so", "nvidia-debugdump", "/proc/driver/nvidia"} <= skipped
 
 
 def test_cgroups_can_be_left_to_the_runtime() -> None:
     """no_cgroups: nodes are still created, no rules planned."""
-    plan = make_plan(req(GpuIndex(0)), inventory(), Target(libs_dir=LIBS, manage_cgroups=False))
+    plan = make_plan(req(GpuIndex(0)), inventory(), LIVE, Target(libs_dir=LIBS, manage_cgroups=False))
     assert plan.devices and plan.cgroup_rules == ()
 
 
@@ -164,17 +179,18 @@ def test_imex_channels_and_gated_devices() -> None:
     """Requested IMEX channels and enabled gated families become exact nodes; a missing channel is refused."""
     extra = (_dev("nvidia-caps-imex-channels/channel0", 509, 0), _dev("nvidia-caps-imex-channels/channel3", 509, 3),
              _dev("nvidia-fs0", 507, 0), _dev("infiniband/uverbs0", 231, 192), _dev("gdrdrv", 506, 0))
-    inv = Inventory(**{**_fields(inventory()), "extra_nodes": extra})
+    inv, live = inventory(), LiveFacts(extra_nodes=extra)
     request = GpuRequest(all_devices=False, devices=(GpuIndex(0),), capabilities=frozenset({Capability.COMPUTE}),
                          imex_channels=(3,), gated=frozenset({"gds", "mofed", "nvswitch"}))
-    plan = make_plan(request, inv, TARGET)
+    plan = make_plan(request, inv, live, TARGET)
     paths = [d.path for d in plan.devices]
     assert {"/dev/nvidia-caps-imex-channels/channel3", "/dev/nvidia-fs0", "/dev/infiniband/uverbs0"} <= set(paths)
     assert "/dev/nvidia-caps-imex-channels/channel0" not in paths and "/dev/gdrdrv" not in paths
     assert "c 509:3 rw" in {str(r) for r in plan.cgroup_rules}
     assert "NVIDIA_NVSWITCH" in {s.what for s in plan.skipped}
     with pytest.raises(DiscoveryError, match="channel 7"):
-        make_plan(GpuRequest(all_devices=False, devices=(), capabilities=frozenset(), imex_channels=(7,)), inv, TARGET)
+        make_plan(GpuRequest(all_devices=False, devices=(), capabilities=frozenset(), imex_channels=(7,)), inv, live,
+                  TARGET)
 
 
 def test_graphics_configs_and_glx_link() -> None:
@@ -182,29 +198,39 @@ def test_graphics_configs_and_glx_link() -> None:
     configs = (DriverFile(name="/usr/share/vulkan/icd.d/nvidia_icd.json", host_path=Path("/h/icd")),
                DriverFile(name="/etc/OpenCL/vendors/nvidia.icd", host_path=Path("/h/ocl")))
     inv = Inventory(**{**_fields(inventory()), "configs": configs})
-    graphics = make_plan(req(GpuIndex(0), caps={Capability.GRAPHICS}), inv, TARGET)
+    graphics = make_plan(req(GpuIndex(0), caps={Capability.GRAPHICS}), inv, LIVE, TARGET)
     assert "/usr/share/vulkan/icd.d/nvidia_icd.json" in {m.target for m in graphics.mounts}
     assert "/etc/OpenCL/vendors/nvidia.icd" not in {m.target for m in graphics.mounts}
     links = {(s.path, s.target) for s in graphics.symlinks}
     assert (f"{LIBS}/libGLX_indirect.so.0", f"libGLX_nvidia.so.{VER}") in links
-    compute = make_plan(req(GpuIndex(0)), inv, TARGET)
+    compute = make_plan(req(GpuIndex(0)), inv, LIVE, TARGET)
     assert "/etc/OpenCL/vendors/nvidia.icd" in {m.target for m in compute.mounts}
     assert all("GLX" not in s.path for s in compute.symlinks)
 
 
 def _mig_inventory() -> Inventory:
-    """GPU 0 split into two 1g MIG devices (GI 7 and 8, CI 0 each), caps nodes for them and config/monitor."""
+    """GPU 0 split into two 1g MIG devices (GI 7 and 8, CI 0 each), as NVML reported them."""
     migs = (MigDevice(parent_index=0, index=0, uuid="MIG-aaaaaaaa-0000-0000-0000-000000000000", gi=7, ci=0),
             MigDevice(parent_index=0, index=1, uuid="MIG-bbbbbbbb-0000-0000-0000-000000000000", gi=8, ci=0))
     minors = (("config", 1), ("monitor", 2), ("gpu0/gi7/access", 66), ("gpu0/gi7/ci0/access", 67),
               ("gpu0/gi8/access", 75), ("gpu0/gi8/ci0/access", 76))
-    caps = tuple(_dev(f"nvidia-caps/nvidia-cap{m}", 510, m) for m in (1, 2, 66, 67, 75, 76))
-    return Inventory(**{**_fields(inventory()), "mig_devices": migs, "mig_minors": minors, "caps_nodes": caps})
+    layout = (MigInstance(gpu_minor=0, gi=7, ci=0), MigInstance(gpu_minor=0, gi=8, ci=0))
+    return Inventory(**{**_fields(inventory()), "mig_devices": migs, "mig_layout": layout, "mig_minors": minors})
+
+
+def _mig_live(*gis: int) -> LiveFacts:
+    """GPU 0's compute instances in GPU instances *gis* (CI 0 each) exist, with caps nodes for them and config/monitor."""
+    minors = {7: (66, 67), 8: (75, 76), 9: (84, 85)}
+    caps = tuple(_dev(f"nvidia-caps/nvidia-cap{m}", 510, m) for m in (1, 2, *(m for gi in gis for m in minors[gi])))
+    return LiveFacts(mig_instances=frozenset(MigInstance(gpu_minor=0, gi=gi, ci=0) for gi in gis), caps_nodes=caps)
+
+
+MIG_LIVE = _mig_live(7, 8)
 
 
 def test_mig_index_selects_parent_and_exactly_its_caps() -> None:
     """0:1 gives /dev/nvidia0 and the GI/CI access caps of that MIG device only, with exact rules."""
-    plan = make_plan(req(MigIndex(0, 1)), _mig_inventory(), TARGET)
+    plan = make_plan(req(MigIndex(0, 1)), _mig_inventory(), MIG_LIVE, TARGET)
     paths = {d.path for d in plan.devices}
     assert {"/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap75", "/dev/nvidia-caps/nvidia-cap76"} <= paths
     assert not {"/dev/nvidia-caps/nvidia-cap66", "/dev/nvidia-caps/nvidia-cap67", "/dev/nvidia1"} & paths
@@ -217,20 +243,83 @@ def test_mig_index_selects_parent_and_exactly_its_caps() -> None:
 def test_mig_uuid_forms_and_unknown_mig() -> None:
     """A MIG UUID and the legacy MIG-GPU-<uuid>/gi/ci form select; 0:5 is refused, listing what exists."""
     inv = _mig_inventory()
-    by_uuid = make_plan(req(MigUuid("MIG-AAAAAAAA-0000-0000-0000-000000000000")), inv, TARGET)
+    by_uuid = make_plan(req(MigUuid("MIG-AAAAAAAA-0000-0000-0000-000000000000")), inv, MIG_LIVE, TARGET)
     assert "/dev/nvidia-caps/nvidia-cap66" in {d.path for d in by_uuid.devices}
-    legacy = make_plan(req(MigUuid(f"MIG-{_gpu(0).uuid}/8/0")), inv, TARGET)
+    legacy = make_plan(req(MigUuid(f"MIG-{_gpu(0).uuid}/8/0")), inv, MIG_LIVE, TARGET)
     assert "/dev/nvidia-caps/nvidia-cap76" in {d.path for d in legacy.devices}
     with pytest.raises(UnknownDeviceError, match=r"no MIG device 0:5 .*MIG devices: 0:0 \(MIG-aaaaaaaa"):
-        make_plan(req(MigIndex(0, 5)), inv, TARGET)
+        make_plan(req(MigIndex(0, 5)), inv, MIG_LIVE, TARGET)
 
 
 def test_mig_config_is_for_whole_gpus() -> None:
     """NVIDIA_MIG_CONFIG_DEVICES=all adds the config cap and the instance caps of the selected GPU."""
     request = GpuRequest(all_devices=False, devices=(GpuIndex(0),), capabilities=frozenset(), mig_config=True)
-    plan = make_plan(request, _mig_inventory(), TARGET)
+    plan = make_plan(request, _mig_inventory(), MIG_LIVE, TARGET)
     assert {f"/dev/nvidia-caps/nvidia-cap{m}" for m in (1, 66, 67, 75, 76)} <= {d.path for d in plan.devices}
     assert "/dev/nvidia-caps/nvidia-cap2" not in {d.path for d in plan.devices}
     with pytest.raises(RequestError, match="need whole GPUs"):
         make_plan(GpuRequest(all_devices=False, devices=(MigIndex(0, 0),), capabilities=frozenset(), mig_config=True),
-                  _mig_inventory(), TARGET)
+                  _mig_inventory(), MIG_LIVE, TARGET)
+
+
+def test_destroyed_mig_device_is_not_offered_and_the_rest_move_down() -> None:
+    """GI 7 destroyed since the inventory was built: its device is gone, GI 8's device becomes 0:0 (as NVML counts)."""
+    live = _mig_live(8)
+    plan = make_plan(req(MigIndex(0, 0)), _mig_inventory(), live, TARGET)
+    assert plan.gpus[-1] == "MIG-bbbbbbbb-0000-0000-0000-000000000000"
+    assert {"/dev/nvidia-caps/nvidia-cap75", "/dev/nvidia-caps/nvidia-cap76"} <= {d.path for d in plan.devices}
+    with pytest.raises(UnknownDeviceError, match=r"MIG-AAAAAAAA.*MIG devices: 0:0 \(MIG-bbbbbbbb[^,]*\)\. Fix"):
+        make_plan(req(MigUuid("MIG-AAAAAAAA-0000-0000-0000-000000000000")), _mig_inventory(), live, TARGET)
+    everything = make_plan(req(all_devices=True), _mig_inventory(), live, TARGET)
+    assert "MIG-aaaaaaaa-0000-0000-0000-000000000000" not in everything.gpus
+    assert "/dev/nvidia-caps/nvidia-cap66" not in {d.path for d in everything.devices}
+
+
+def test_narrowing_is_idempotent_and_skipped_without_a_layout() -> None:
+    """Narrowing twice is narrowing once; an unread layout (None) leaves the inventory as NVML saw it."""
+    inv, live = _mig_inventory(), _mig_live(8)
+    once = narrow_to_live(inv, live)
+    assert [(m.index, m.gi) for m in once.mig_devices] == [(0, 8)]
+    assert narrow_to_live(once, live) == once
+    assert narrow_to_live(inv, MIG_LIVE) is inv and narrow_to_live(inv, LIVE) is inv
+
+
+def test_unseen_instances_are_only_those_nvml_was_never_asked_about() -> None:
+    """GI 9 is new; GI 7 and 8 were seen; an instance on a GPU the inventory does not have is not ours to ask about."""
+    live = _mig_live(7, 8, 9)
+    other_gpu = LiveFacts(mig_instances=frozenset({MigInstance(gpu_minor=9, gi=1, ci=0)}))
+    assert unseen_instances(_mig_inventory(), live) == (MigInstance(gpu_minor=0, gi=9, ci=0),)
+    assert unseen_instances(_mig_inventory(), MIG_LIVE) == ()
+    assert unseen_instances(_mig_inventory(), other_gpu) == () and unseen_instances(_mig_inventory(), LIVE) == ()
+    # seen when NVML was asked, though NVML reported no device for it: not asked about again
+    seen = Inventory(**{**_fields(_mig_inventory()), "mig_layout": (MigInstance(gpu_minor=0, gi=9, ci=0),)})
+    assert unseen_instances(seen, live) == ()
+
+
+def test_mig_without_the_layout_read_is_a_programming_error() -> None:
+    """Selecting a MIG device with live facts that lack the MIG layout says which call was missed."""
+    with pytest.raises(ValueError, match="live_needs"):
+        plan_devices(req(MigIndex(0, 0)), _mig_inventory(), LIVE)
+
+
+@pytest.mark.parametrize(
+    ("request_", "target", "needs"),
+    [
+        pytest.param(req(GpuIndex(0)), None, LiveNeeds(), id="whole-gpu-devices-only"),
+        pytest.param(req(GpuIndex(0)), TARGET, LiveNeeds(xids=True), id="whole-gpu-health"),
+        pytest.param(req(GpuIndex(0)), Target(libs_dir=LIBS, unhealthy_gpus=HealthPolicy.IGNORE), LiveNeeds(),
+                     id="health-ignored"),
+        pytest.param(req(MigIndex(0, 1)), None, LiveNeeds(mig=True), id="mig-index"),
+        pytest.param(req(MigUuid("MIG-x")), None, LiveNeeds(mig=True), id="mig-uuid"),
+        pytest.param(req(all_devices=True), None, LiveNeeds(mig=True), id="all"),
+        pytest.param(GpuRequest(all_devices=False, devices=(GpuIndex(0),), capabilities=frozenset(), mig_monitor=True),
+                     None, LiveNeeds(mig=True), id="mig-monitor"),
+        pytest.param(GpuRequest(all_devices=False, devices=(), capabilities=frozenset(), imex_channels=(1,)),
+                     None, LiveNeeds(extra_nodes=True), id="imex"),
+        pytest.param(GpuRequest(all_devices=False, devices=(), capabilities=frozenset(), gated=frozenset({"gds"})),
+                     None, LiveNeeds(extra_nodes=True), id="gated"),
+    ],
+)
+def test_live_needs(request_: GpuRequest, target: Target | None, needs: LiveNeeds) -> None:
+    """A start reads only what its plan looks at: MIG facts for MIG requests and all, Xids when health counts."""
+    assert live_needs(request_, target) == needs

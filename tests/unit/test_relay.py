@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 import gpuhook
-from gpuhook.cli.hygiene import check_environment
+from gpuhook.hookcall import check_environment
 from gpuhook.daemon import wire
+from gpuhook.sys import fdpass
 from gpuhook.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +123,7 @@ class FakeDaemon:
     def _receive(conn: socket.socket) -> Request:
         data, ancillary, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(5 * 4))
         fds = [fd for level, kind, payload in ancillary
-               if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS for fd in wire.unpack_fds(payload)]
+               if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS for fd in fdpass.unpack_fds(payload)]
         try:
             links = [os.readlink(f"/proc/self/fd/{fd}") for fd in fds]
             stats = [os.fstat(fd) for fd in fds]

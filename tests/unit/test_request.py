@@ -8,14 +8,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import contextlib
+
 from gpuhook.errors import RequestError
 from gpuhook.oci.spec import BundleSpec, MountSpec
-from gpuhook.request.model import (
-    ALL_CAPABILITIES, DEFAULT_CAPABILITIES, Capability, GpuIndex, GpuUuid, MigIndex, MigUuid,
+from gpuhook.request.grammar import (
+    ACCEPTED_FORMS, CdiName, ChannelId, ChannelList, DeviceList, Keyword, Unknown, channel_token, decode_channels,
+    decode_devices, decode_mig_control, device_token, entries,
 )
-from gpuhook.request.parse import parse_capabilities, parse_request, parse_visible_devices
+from gpuhook.request.model import (
+    ALL_CAPABILITIES, DEFAULT_CAPABILITIES, Capability, DeviceId, GpuIndex, GpuUuid, MigIndex, MigUuid, RequestSource,
+)
+from gpuhook.request.parse import parse_capabilities, parse_request
 from gpuhook.request.quick import asks_for_gpu
-import contextlib
 
 UUID = "GPU-1a2b3c4d-0000-1111-2222-333344445555"
 MIG = "MIG-1a2b3c4d-0000-1111-2222-333344445555"
@@ -39,6 +44,16 @@ def request(env: dict[str, str], **kw: bool):  # type: ignore[no-untyped-def]
         k: v for k, v in policy.items() if k != "privileged"})
 
 
+def parse_visible_devices(raw: str) -> DeviceList | None:
+    """The grammar's device decoder, as NVIDIA_VISIBLE_DEVICES uses it."""
+    return decode_devices(raw, source="NVIDIA_VISIBLE_DEVICES")
+
+
+def listed(*devices: DeviceId, all_devices: bool = False) -> DeviceList:
+    """A DeviceList, briefly."""
+    return DeviceList(all_devices=all_devices, devices=devices)
+
+
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [
@@ -46,16 +61,18 @@ def request(env: dict[str, str], **kw: bool):  # type: ignore[no-untyped-def]
         pytest.param(" , ,", None, id="only-commas-is-void"),
         pytest.param("void", None, id="void"),
         pytest.param("0,void", None, id="void-anywhere-wins"),
-        pytest.param("all", (True, ()), id="all"),
-        pytest.param("none", (False, ()), id="none"),
-        pytest.param("0,all", (True, ()), id="all-in-list"),
-        pytest.param("none,all", (False, ()), id="first-of-all-none-wins"),
-        pytest.param("1, 3", (False, (GpuIndex(1), GpuIndex(3))), id="indices-trimmed"),
-        pytest.param("1,1", (False, (GpuIndex(1),)), id="duplicates-dropped"),
-        pytest.param("GPU-" + UUID[4:].upper(), (False, (GpuUuid("GPU-" + UUID[4:].upper()),)), id="gpu-uuid"),
-        pytest.param(MIG, (False, (MigUuid(MIG),)), id="mig-uuid"),
-        pytest.param(f"MIG-{UUID}/1/0", (False, (MigUuid(f"MIG-{UUID}/1/0"),)), id="legacy-mig-uuid"),
-        pytest.param("0:1", (False, (MigIndex(0, 1),)), id="mig-index"),
+        pytest.param("all", listed(all_devices=True), id="all"),
+        pytest.param("none", listed(), id="none"),
+        pytest.param("0,all", listed(all_devices=True), id="all-in-list"),
+        pytest.param("none,all", listed(), id="first-of-all-none-wins"),
+        pytest.param("x,all", listed(all_devices=True), id="all-decides-before-entries-are-judged"),
+        pytest.param("1, 3", listed(GpuIndex(1), GpuIndex(3)), id="indices-trimmed"),
+        pytest.param("1,1", listed(GpuIndex(1)), id="duplicates-dropped"),
+        pytest.param("GPU-" + UUID[4:].upper(), listed(GpuUuid("GPU-" + UUID[4:].upper())), id="gpu-uuid"),
+        pytest.param(MIG, listed(MigUuid(MIG)), id="mig-uuid"),
+        pytest.param(f"MIG-{UUID}/1/0", listed(MigUuid(f"MIG-{UUID}/1/0")), id="legacy-mig-uuid"),
+        pytest.param("0:1", listed(MigIndex(0, 1)), id="mig-index"),
+        pytest.param("\t2 ,0:1,\n", listed(GpuIndex(2), MigIndex(0, 1)), id="blanks-and-empty-entries"),
     ],
 )
 def test_visible_devices(raw: str, expected: object) -> None:
@@ -72,6 +89,155 @@ def test_malformed_devices_are_refused_by_name(raw: str) -> None:
     with pytest.raises(RequestError) as excinfo:
         parse_visible_devices(raw)
     assert repr(raw) in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    ("entry", "token"),
+    [
+        pytest.param("all", Keyword.ALL, id="all"),
+        pytest.param("none", Keyword.NONE, id="none"),
+        pytest.param("void", Keyword.VOID, id="void"),
+        pytest.param("ALL", Unknown("ALL"), id="keywords-are-lower-case"),
+        pytest.param("7", GpuIndex(7), id="index"),
+        pytest.param("0007", GpuIndex(7), id="index-four-digits"),
+        pytest.param("00000", Unknown("00000"), id="index-five-digits"),
+        pytest.param("٣", Unknown("٣"), id="index-non-ascii-digit"),
+        pytest.param(UUID, GpuUuid(UUID), id="gpu-uuid"),
+        pytest.param(UUID[:-1], Unknown(UUID[:-1]), id="gpu-uuid-short"),
+        pytest.param(MIG, MigUuid(MIG), id="mig-uuid"),
+        pytest.param(f"MIG-{UUID}/1/0", MigUuid(f"MIG-{UUID}/1/0"), id="legacy-mig-uuid"),
+        pytest.param("1:2", MigIndex(1, 2), id="mig-index"),
+        pytest.param("1:2:3", Unknown("1:2:3"), id="mig-index-three-parts"),
+        pytest.param("nvidia.com/gpu=0", CdiName("nvidia.com/gpu=0"), id="cdi-qualified-name"),
+        pytest.param("cdi/gpu0", CdiName("cdi/gpu0"), id="cdi-prefix"),
+        pytest.param("nvidia0", Unknown("nvidia0"), id="node-name"),
+    ],
+)
+def test_device_tokens(entry: str, token: object) -> None:
+    """Each entry becomes exactly one typed token; entries outside the grammar are tokens too."""
+    assert device_token(entry) == token
+    assert type(device_token(entry)) is type(token)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        pytest.param("0,x", f"NVIDIA_VISIBLE_DEVICES='0,x': 'x' is not a device; expected {ACCEPTED_FORMS}",
+                     id="unknown"),
+        pytest.param(" y ,x", f"NVIDIA_VISIBLE_DEVICES=' y ,x': 'y' is not a device; expected {ACCEPTED_FORMS}",
+                     id="first-bad-entry-trimmed"),
+        pytest.param("0,nvidia.com/gpu=1",
+                     "NVIDIA_VISIBLE_DEVICES='0,nvidia.com/gpu=1': 'nvidia.com/gpu=1' is a CDI device name; gpuhook's "
+                     "hook takes indices or UUIDs. Fix: request the GPU by index or UUID, or let a CDI-aware engine "
+                     "apply the CDI spec", id="cdi-name"),
+    ],
+)
+def test_device_refusals(raw: str, message: str) -> None:
+    """A refusal names the source, the whole value and the first entry outside the grammar."""
+    with pytest.raises(RequestError) as excinfo:
+        parse_visible_devices(raw)
+    assert str(excinfo.value) == message
+
+
+def test_each_source_leads_its_messages() -> None:
+    """The request records where its devices came from, and a refusal starts with that source."""
+    assert request({"NVIDIA_VISIBLE_DEVICES": "0"}).source is RequestSource.VISIBLE_DEVICES
+    assert request({"CUDA_VERSION": "12.4"}).source is RequestSource.LEGACY_IMAGE
+    mount = MountSpec(destination="/var/run/nvidia-container-devices/gpu0", source="/dev/null", type="bind")
+    with pytest.raises(RequestError) as excinfo:
+        parse_request(spec({}, mounts=(mount,)), accept_envvar_when_unprivileged=True, accept_volume_mounts=True)
+    assert str(excinfo.value).startswith("volume mounts under /var/run/nvidia-container-devices='gpu0': 'gpu0' is not")
+
+
+def test_entries_trim_blanks_and_drop_empty_ones() -> None:
+    """Lists split on commas; ASCII blanks around entries go, empty entries vanish, other spaces stay."""
+    assert entries(" a, ,b ,\t\n,") == ("a", "b")
+    assert entries("") == ()
+    assert entries("\u2003a") == ("\u2003a",)
+
+
+@pytest.mark.parametrize(
+    ("entry", "token"),
+    [
+        pytest.param("0", ChannelId(0), id="zero"),
+        pytest.param("01", ChannelId(1), id="leading-zero"),
+        pytest.param("1048575", ChannelId(1048575), id="largest"),
+        pytest.param("1048576", Unknown("1048576"), id="too-large"),
+        pytest.param("99999999", Unknown("99999999"), id="too-long"),
+        pytest.param("all", Keyword.ALL, id="all"),
+        pytest.param("none", Unknown("none"), id="none-is-not-a-channel-keyword"),
+        pytest.param("-1", Unknown("-1"), id="negative"),
+        pytest.param("٣", Unknown("٣"), id="non-ascii-digit"),
+    ],
+)
+def test_channel_tokens(entry: str, token: object) -> None:
+    """IMEX channel entries: decimal ids below 2^20, or 'all'."""
+    assert channel_token(entry) == token
+    assert type(channel_token(entry)) is type(token)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        pytest.param("", ChannelList(all_channels=False, channels=()), id="empty"),
+        pytest.param("3, 0,3", ChannelList(all_channels=False, channels=(3, 0)), id="order-kept-duplicates-dropped"),
+        pytest.param("1,,2", ChannelList(all_channels=False, channels=(1, 2)), id="empty-entries-dropped"),
+        pytest.param("all", ChannelList(all_channels=True, channels=()), id="all"),
+        pytest.param("x,all", ChannelList(all_channels=True, channels=()), id="all-decides"),
+    ],
+)
+def test_decode_channels(raw: str, expected: ChannelList) -> None:
+    """A channel list decodes to ids in order, or to 'all' for the front-end to interpret."""
+    assert decode_channels(raw, source="NVIDIA_IMEX_CHANNELS") == expected
+
+
+@pytest.mark.parametrize("source", ["NVIDIA_IMEX_CHANNELS", "--imex-channel"])
+@pytest.mark.parametrize(("raw", "entry"), [("-1", "-1"), ("0, 1048576", "1048576"), ("2,none", "none")])
+def test_channel_refusals(source: str, raw: str, entry: str) -> None:
+    """One message for every front-end, led by that front-end's own name for the value."""
+    with pytest.raises(RequestError) as excinfo:
+        decode_channels(raw, source=source)
+    assert str(excinfo.value) == (
+        f"{source}={raw!r}: {entry!r} is not a channel; expected comma-separated decimal ids below 1048576"
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        pytest.param("", False, id="empty-is-off"),
+        pytest.param(" \t", False, id="blank-is-off"),
+        pytest.param("all", True, id="all"),
+        pytest.param(" all\n", True, id="all-trimmed"),
+        pytest.param("0", "NVIDIA_MIG_CONFIG_DEVICES='0': only 'all' is supported", id="list"),
+        pytest.param("all,all", "NVIDIA_MIG_CONFIG_DEVICES='all,all': only 'all' is supported", id="repeated"),
+        pytest.param("ALL", "NVIDIA_MIG_CONFIG_DEVICES='ALL': only 'all' is supported", id="upper-case"),
+    ],
+)
+def test_mig_control_value(raw: str, expected: bool | str) -> None:
+    """MIG control: blank is off, 'all' is on, anything else is refused naming the value."""
+    if isinstance(expected, bool):
+        assert decode_mig_control(raw, source="NVIDIA_MIG_CONFIG_DEVICES") is expected
+        return
+    with pytest.raises(RequestError) as excinfo:
+        decode_mig_control(raw, source="NVIDIA_MIG_CONFIG_DEVICES")
+    assert str(excinfo.value) == expected
+
+
+@given(st.text(max_size=40))
+def test_tokenizers_never_raise(entry: str) -> None:
+    """A token for any text: refusal is the decoders' decision, made with the source's name."""
+    assert isinstance(device_token(entry), (Keyword, GpuIndex, GpuUuid, MigUuid, MigIndex, CdiName, Unknown))
+    assert isinstance(channel_token(entry), (Keyword, ChannelId, Unknown))
+
+
+@given(st.text(max_size=40))
+def test_any_channel_or_mig_string_decodes_or_raises_our_error(raw: str) -> None:
+    """Container input never produces another exception."""
+    with contextlib.suppress(RequestError):
+        decode_channels(raw, source="NVIDIA_IMEX_CHANNELS")
+    with contextlib.suppress(RequestError):
+        decode_mig_control(raw, source="NVIDIA_MIG_CONFIG_DEVICES")
 
 
 def test_capabilities() -> None:
@@ -210,7 +376,8 @@ def test_cdi_annotations_take_priority_when_accepted() -> None:
     ))
     req = parse_request(bundle, accept_envvar_when_unprivileged=True, accept_volume_mounts=False,
                         accept_cdi_annotations=True)
-    assert req is not None and req.devices == (GpuIndex(1), GpuUuid(UUID)) and req.source == "CDI annotations"
+    assert req is not None and req.devices == (GpuIndex(1), GpuUuid(UUID))
+    assert req.source is RequestSource.CDI_ANNOTATIONS
     assert asks_for_gpu({"process": {"env": []}, "annotations": dict(bundle.annotations)})
     ignored = parse_request(bundle, accept_envvar_when_unprivileged=True, accept_volume_mounts=False)
     assert ignored is not None and ignored.all_devices  # not accepted: the env decides

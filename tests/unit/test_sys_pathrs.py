@@ -1,4 +1,4 @@
-"""The ctypes syscall layer: openat2 and its O_PATH walker fallback agree on a hostile root."""
+"""gpuhook.sys.pathrs: openat2 and its O_PATH walker fallback agree on a hostile root."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuhook import linux
+from gpuhook.sys import pathrs
 
-IN_ROOT = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
+IN_ROOT = pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ CASES = [
     ("dev/nvidia0", os.O_RDONLY, IN_ROOT),
     ("loopa", os.O_PATH, IN_ROOT),
     ("lib64", os.O_PATH | os.O_DIRECTORY, IN_ROOT),
-    ("lib64", os.O_PATH | os.O_DIRECTORY, IN_ROOT | linux.RESOLVE_NO_SYMLINKS),
+    ("lib64", os.O_PATH | os.O_DIRECTORY, IN_ROOT | pathrs.RESOLVE_NO_SYMLINKS),
     ("chain1", os.O_PATH, IN_ROOT),
     ("chain0", os.O_PATH, IN_ROOT),
     ("file/x", os.O_PATH, IN_ROOT),
@@ -66,7 +66,7 @@ def _outcome(opener, root: Path, path: str, flags: int, resolve: int) -> str:  #
     finally:
         os.close(root_fd)
     try:
-        return "-> " + os.path.relpath(linux.fd_path(fd), root)
+        return "-> " + os.path.relpath(pathrs.fd_path(fd), root)
     finally:
         os.close(fd)
 
@@ -74,46 +74,36 @@ def _outcome(opener, root: Path, path: str, flags: int, resolve: int) -> str:  #
 @pytest.mark.parametrize(("path", "flags", "resolve"), CASES, ids=[f"{c[0] or '.'}-{c[1]:o}-{c[2]}" for c in CASES])
 def test_walker_agrees_with_openat2(hostile: Path, path: str, flags: int, resolve: int) -> None:
     """Every hostile lookup gives the same object (or the same errno) from the kernel and the walker."""
-    kernel = _outcome(linux.openat2, hostile, path, flags, resolve)
-    walker = _outcome(linux.walk_in_root, hostile, path, flags, resolve)
+    kernel = _outcome(pathrs.openat2, hostile, path, flags, resolve)
+    walker = _outcome(pathrs.walk_in_root, hostile, path, flags, resolve)
     assert walker == kernel
     assert "HOSTSECRET" not in kernel and not kernel.startswith("-> ..")
 
 
 def test_confinement_results(hostile: Path) -> None:
     """The headline answers: absolute links stay inside, loops and 41 links are ELOOP, 40 work."""
-    assert _outcome(linux.walk_in_root, hostile, "usr/lib/x86_64-linux-gnu", os.O_PATH, IN_ROOT) == "-> etc"
-    assert _outcome(linux.walk_in_root, hostile, "loopa", os.O_PATH, IN_ROOT) == "ELOOP"
-    assert _outcome(linux.walk_in_root, hostile, "chain0", os.O_PATH, IN_ROOT) == "ELOOP"
-    assert _outcome(linux.walk_in_root, hostile, "chain1", os.O_PATH, IN_ROOT) == "-> etc"
+    assert _outcome(pathrs.walk_in_root, hostile, "usr/lib/x86_64-linux-gnu", os.O_PATH, IN_ROOT) == "-> etc"
+    assert _outcome(pathrs.walk_in_root, hostile, "loopa", os.O_PATH, IN_ROOT) == "ELOOP"
+    assert _outcome(pathrs.walk_in_root, hostile, "chain0", os.O_PATH, IN_ROOT) == "ELOOP"
+    assert _outcome(pathrs.walk_in_root, hostile, "chain1", os.O_PATH, IN_ROOT) == "-> etc"
 
 
 def test_nul_bytes_are_refused(hostile: Path) -> None:
     """A raw C call would stop at the NUL and open etc/shadow; both paths refuse instead."""
     root_fd = os.open(hostile, os.O_PATH | os.O_DIRECTORY)
     try:
-        for opener in (linux.openat2, linux.walk_in_root):
+        for opener in (pathrs.openat2, pathrs.walk_in_root):
             with pytest.raises(ValueError, match="NUL"):
                 opener(root_fd, "etc/shadow\0../../HOSTSECRET", os.O_PATH, IN_ROOT)
     finally:
         os.close(root_fd)
 
 
-def test_mount_ids_and_errno() -> None:
-    """statx's mount id equals fdinfo's, on every mount; a failing raw call raises OSError with errno and path."""
-    mount_points = {line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()}
-    seen = set()
-    for point in sorted(mount_points)[:40]:
-        try:
-            fd = os.open(point, os.O_PATH)
-        except OSError:
-            continue  # hidden under another mount
-        try:
-            assert linux.mount_id(fd) == linux.fdinfo_mount_id(fd) > 0
-            seen.add(linux.mount_id(fd))
-        finally:
-            os.close(fd)
-    assert len(seen) > 3
-    with pytest.raises(FileNotFoundError) as excinfo:
-        linux.open_tree(-100, "/nonexistent/gpuhook", linux.OPEN_TREE_CLOEXEC)
-    assert excinfo.value.filename == "/nonexistent/gpuhook"
+def test_same_namespace() -> None:
+    """Our own mount namespace file is ours; it is not our network namespace."""
+    fd = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        assert pathrs.same_namespace(fd, "mnt")
+        assert not pathrs.same_namespace(fd, "net")
+    finally:
+        os.close(fd)

@@ -1,0 +1,244 @@
+"""One OCI hook call, read the one way: the stage table, the argv, the tripwire, the state, config.json.
+
+Every front-end that is called as a hook goes through here: the Python hook (``gpuhook
+prestart``), NVIDIA's hook name (``nvidia-container-runtime-hook``, docker ``--gpus``) and
+gpuhookd for gpuhook-relay's raw calls. The stage a runtime names decides what the call does
+(``STAGES``): ``prestart`` and ``createRuntime`` start (give the container its GPUs),
+``poststop`` stops (releases what a start took: nothing yet), ``poststart`` does nothing.
+
+Every container start on a hooks.d ``always`` host runs this, GPU or not, so it imports only
+``os``, ``select``, ``stat``, ``time``, the C JSON scanner and gpuhook's own no-GPU modules: no
+dataclasses, enum or typing (stage names are plain strings for that reason), no YAML, no ctypes
+unless config.json is read through another process's root (gpuhookd).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import stat
+import time
+
+from gpuhook import __version__
+from gpuhook.errors import SpecError, UnsafeEnvironmentError
+from gpuhook.oci import strictjson
+from gpuhook.request.quick import asks_for_gpu
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+    from typing import Any
+
+# What a stage does (see the module docstring).
+START = "start"
+STOP = "stop"
+NOTHING = "nothing"
+STAGES = {"prestart": START, "createRuntime": START, "poststart": NOTHING, "poststop": STOP}
+
+STATE_WHAT = "the OCI state on stdin"
+STDIN_TIMEOUT = 5.0
+
+#: The names NVIDIA's hook is installed under; their argv is Go ``flag`` style.
+NVIDIA_HOOK_NAMES = ("nvidia-container-runtime-hook", "nvidia-container-toolkit")
+NVIDIA_USAGE = ("usage: nvidia-container-runtime-hook [-config FILE] [-debug] [-daemon-socket PATH|none] [-version] "
+                "prestart|poststart|poststop")
+
+#: Harmless interpreter settings some daemons export; every other LD_*/PYTHON* variable trips.
+_ALLOWED = frozenset({"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING"})
+
+
+class HookArgs:
+    """``[--config FILE] [--debug] [--daemon-socket PATH] STAGE``, decoded."""
+
+    __slots__ = ("config", "daemon_socket", "debug", "stage")
+
+    def __init__(self, stage: str, config: str | None, debug: bool, daemon_socket: str | None) -> None:
+        self.stage = stage
+        self.config = config
+        self.debug = debug
+        self.daemon_socket = daemon_socket
+
+    @property
+    def action(self) -> str:
+        """START, STOP or NOTHING."""
+        return STAGES[self.stage]
+
+
+class HookCall:
+    """A hook call as read: its arguments, environment, the OCI state and (for a start) config.json."""
+
+    __slots__ = ("args", "asks_gpu", "bundle", "env", "spec", "spec_bytes", "state", "state_bytes")
+
+    def __init__(self, args: HookArgs, env: Mapping[str, str], state_bytes: bytes) -> None:
+        self.args = args
+        self.env = env
+        self.state_bytes = state_bytes
+        self.state: Mapping[str, Any] = {}
+        self.bundle = ""
+        self.spec_bytes = b""
+        self.spec: Mapping[str, Any] = {}
+        self.asks_gpu = False
+
+
+def check_environment(env: Mapping[str, str]) -> None:
+    """Refuse to run with loader or interpreter variables in a root process's own environment.
+
+    ``LD_*`` and ``PYTHON*`` act before Python's first line (NVIDIAScape, CVE-2025-23266, was
+    ``LD_PRELOAD`` reaching a root hook), so they cannot be undone here; finding one means the
+    registration is unsafe. Every front-end that acts as root for a container calls this first.
+    """
+    found = sorted(k for k in env if k.startswith(("LD_", "PYTHON")) and k not in _ALLOWED)
+    if found:
+        raise UnsafeEnvironmentError(
+            f"the hook's environment sets {', '.join(found)}; they can inject code into a root process "
+            "(CVE-2025-23266). Register the hook with an explicit env such as [\"PATH=/usr/sbin:/usr/bin:/sbin:/bin\"]"
+        )
+
+
+def parse_hook_argv(words: Sequence[str]) -> HookArgs | None:
+    """gpuhook's hook argv, decoded by hand; None for anything else (argparse owns usage and exit 2).
+
+    Runtimes run the hook for every container, and importing argparse and building the parser
+    costs about as much as the whole no-GPU path, so the shapes runtimes send are decoded here.
+    """
+    config: str | None = None
+    debug = False
+    daemon_socket: str | None = None
+    rest = list(words)
+    while len(rest) > 1:
+        word = rest.pop(0)
+        if word == "--debug":
+            debug = True
+        elif word == "--config" and not rest[0].startswith("-") and len(rest) > 1:
+            config = rest.pop(0)
+        elif word.startswith("--config="):
+            config = word.removeprefix("--config=")
+        elif word == "--daemon-socket" and len(rest) > 1:
+            daemon_socket = rest.pop(0)
+        else:
+            return None
+    if len(rest) != 1 or rest[0] not in STAGES:
+        return None
+    return HookArgs(rest[0], config, debug, daemon_socket)
+
+
+def translate_nvidia_argv(words: Sequence[str]) -> list[str] | str:
+    """gpuhook's argv for NVIDIA's hook *words* (``-config FILE``, ``--debug``, ...), or the text to print.
+
+    docker's ``--gpus`` runs ``nvidia-container-runtime-hook prestart``; NVIDIA's runtime adds
+    ``-config FILE``. Go's flags take one or two dashes, ``-name value`` or ``-name=value``.
+    """
+    out: list[str] = []
+    args = list(words)
+    while args:
+        arg = args.pop(0)
+        name, eq, value = arg.lstrip("-").partition("=")
+        if not arg.startswith("-"):
+            if arg not in STAGES:
+                return f"unknown command {arg!r}\n{NVIDIA_USAGE}"
+            return [*out, arg]
+        if name == "version":
+            return f"gpuhook {__version__} (nvidia-container-runtime-hook compatible)"
+        if name == "debug":
+            out.append("--debug")
+        elif name in ("config", "daemon-socket"):  # the latter is gpuhook's own (gpuhookd's socket)
+            if not eq:
+                if not args:
+                    return f"flag needs an argument: -{name}\n{NVIDIA_USAGE}"
+                value = args.pop(0)
+            out += [f"--{name}", value]
+        else:
+            return f"flag provided but not defined: {arg}\n{NVIDIA_USAGE}"
+    return f"missing command\n{NVIDIA_USAGE}"
+
+
+def relayed_hook_args(argv: Sequence[str]) -> HookArgs | None:
+    """The hook call in a relay's argv, whose first word names the command it stands for: ``gpuhook``,
+    or NVIDIA's hook name (its flags translated first); None for anything else (help, version, ...)."""
+    if not argv:
+        return None
+    if argv[0] == "gpuhook":
+        return parse_hook_argv(argv[1:])
+    if argv[0] in NVIDIA_HOOK_NAMES:
+        translated = translate_nvidia_argv(argv[1:])
+        return parse_hook_argv(translated) if isinstance(translated, list) else None
+    return None
+
+
+def read_hook_call(args: HookArgs, env: Mapping[str, str], state_bytes: bytes, *, spec_bytes: bytes | None = None,
+                   root_fd: int | None = None) -> HookCall:
+    """Check the environment and decode the state; for a start also config.json and whether it asks for a GPU.
+
+    *spec_bytes*: config.json as the caller already read it (the Python hook, handing over to
+    gpuhookd); else it is read here, through *root_fd* when given (gpuhookd: the hook's root).
+    """
+    check_environment(env)
+    call = HookCall(args, env, state_bytes)
+    if args.action == NOTHING:
+        return call
+    call.state = strictjson.loads_object(state_bytes, what=STATE_WHAT, limit=strictjson.STATE_LIMIT)
+    if args.action != START:
+        return call
+    call.bundle = strictjson.get_str(call.state, "bundle" if "bundle" in call.state else "bundlePath",
+                                     what=STATE_WHAT)
+    call.spec_bytes = (read_config_json(call.bundle, limit=strictjson.SPEC_LIMIT, root_fd=root_fd)
+                       if spec_bytes is None else spec_bytes)
+    call.spec = strictjson.loads_object(call.spec_bytes, what=f"{call.bundle}/config.json",
+                                        limit=strictjson.SPEC_LIMIT)
+    call.asks_gpu = asks_for_gpu(call.spec)
+    return call
+
+
+def read_bounded(fd: int, *, limit: int, timeout: float = STDIN_TIMEOUT, what: str = STATE_WHAT) -> bytes:
+    """Read *fd* to EOF, at most *limit* + 1 bytes, giving up after *timeout* seconds.
+
+    A writer that never closes stdin must not hang the container start.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    deadline = time.monotonic() + timeout
+    while size <= limit:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise SpecError(f"{what} did not arrive within {timeout:g} s (is stdin closed?)")
+        chunk = os.read(fd, min(65536, limit + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def read_config_json(bundle: str, *, limit: int, root_fd: int | None = None) -> bytes:
+    """``<bundle>/config.json``: never through a symlink, never a FIFO, at most *limit* bytes.
+
+    *root_fd*: resolve *bundle* from this root instead of ours (gpuhookd, for gpuhook-relay: the
+    hook's root, passed as an fd). A lookup from an fd walks the mounts of the namespace that fd
+    belongs to, and RESOLVE_IN_ROOT keeps ``..`` and absolute symlinks inside it, so the bundle
+    is found exactly as the hook process itself would find it.
+    """
+    path = f"{bundle}/config.json"
+    if not bundle.startswith("/"):
+        raise SpecError(f"the bundle {bundle!r} must be an absolute path")
+    try:
+        if root_fd is None:
+            bundle_fd = os.open(bundle, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        else:
+            from gpuhook.sys import pathrs  # ctypes: gpuhookd only, where it is preloaded
+
+            bundle_fd = pathrs.openat2(root_fd, bundle.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY,
+                                       pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS)
+        try:
+            # O_NOFOLLOW: never a symlink to a host file; O_NONBLOCK: a FIFO cannot hang the open.
+            fd = os.open("config.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=bundle_fd)
+        finally:
+            os.close(bundle_fd)
+    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+        raise SpecError(f"cannot open {path}: {getattr(err, 'strerror', None) or err}") from err
+    with os.fdopen(fd, "rb") as handle:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecError(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise SpecError(f"{path} is {st.st_size} bytes; the limit is {limit}")
+        return handle.read(limit + 1)

@@ -1,0 +1,196 @@
+"""The request grammar, in one place: device lists, IMEX channel lists and the MIG control value.
+
+Every front-end (NVIDIA_* variables, device-plugin mounts, CDI annotations,
+``nvidia-container-cli`` argv) hands its raw text here together with the name
+of where it came from, so the accepted language and the refusals are the same
+everywhere while each message still names its own source
+(``NVIDIA_IMEX_CHANNELS='x'`` vs ``--imex-channel='x'``).
+
+Decoding has two steps. ``entries`` splits a comma-separated list (blanks
+trimmed, empty entries dropped) and a tokenizer (``device_token``,
+``channel_token``) turns each entry into a typed token without ever raising:
+an entry outside the grammar is a token too (``Unknown``, ``CdiName``). The
+decoders then apply NVIDIA's list semantics, in which a keyword decides the
+whole list (so the other entries are not judged), and refuse the first token
+left that is not an id, naming it. A new kind of token (``count=N``, ``any``,
+``mig=PROFILE#NAME``) is a new dataclass, a row of ``_DEVICE_FORMS`` (tried
+before the ``=`` rule that makes CDI names) and a case in the decoder.
+
+Digits are ASCII only, because Python's ``int()`` also accepts "٣", "1_0" and
+" +3 " (security.md §3.4).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from gpuhook.errors import RequestError
+from gpuhook.request.model import DeviceId, GpuIndex, GpuUuid, MigIndex, MigUuid
+from gpuhook.request.quick import BLANKS
+
+_UUID: Final = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+_INDEX_RE: Final = re.compile(r"[0-9]{1,4}")
+_GPU_UUID_RE: Final = re.compile(rf"GPU-{_UUID}")
+_MIG_UUID_RE: Final = re.compile(rf"MIG-{_UUID}|MIG-GPU-{_UUID}/[0-9]{{1,4}}/[0-9]{{1,4}}")
+_MIG_INDEX_RE: Final = re.compile(r"([0-9]{1,4}):([0-9]{1,4})")
+_CHANNEL_RE: Final = re.compile(r"[0-9]{1,7}")
+
+#: IMEX channel ids are below 2^20 (the driver's NVIDIA_IMEX_CHANNEL_MAX).
+MAX_IMEX_CHANNEL: Final = 1 << 20
+
+ACCEPTED_FORMS: Final = (
+    "'all', 'none', 'void', or a comma-separated list of GPU indices (0,1), "
+    "GPU UUIDs (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx), MIG UUIDs (MIG-…) or MIG indices (0:1)"
+)
+
+
+class Keyword(enum.StrEnum):
+    """A word that stands for a whole list rather than one entry of it."""
+
+    ALL = "all"
+    NONE = "none"
+    VOID = "void"
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelId:
+    """An IMEX channel by number (``/dev/nvidia-caps-imex-channels/channelN``)."""
+
+    channel: int
+
+    def __str__(self) -> str:
+        return str(self.channel)
+
+
+@dataclass(frozen=True, slots=True)
+class CdiName:
+    """A CDI device name (``nvidia.com/gpu=0``, ``cdi/…``): refused, the hook takes indices and UUIDs."""
+
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """An entry outside the grammar, kept as written so that the refusal can name it."""
+
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+DeviceToken = Keyword | DeviceId | CdiName | Unknown
+ChannelToken = Keyword | ChannelId | Unknown
+
+_DEVICE_KEYWORDS: Final = {k.value: k for k in Keyword}
+#: The device ids, each a whole-entry pattern and the token it makes, tried in order.
+_DEVICE_FORMS: Final[tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], DeviceToken]], ...]] = (
+    (_INDEX_RE, lambda m: GpuIndex(int(m[0]))),
+    (_GPU_UUID_RE, lambda m: GpuUuid(m[0])),
+    (_MIG_UUID_RE, lambda m: MigUuid(m[0])),
+    (_MIG_INDEX_RE, lambda m: MigIndex(int(m[1]), int(m[2]))),
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceList:
+    """A decoded device list: every GPU (``all``), or exactly ``devices`` (none for ``none``)."""
+
+    all_devices: bool
+    devices: tuple[DeviceId, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChannelList:
+    """A decoded IMEX channel list: ``all`` was listed, or exactly ``channels`` (deduplicated, in order)."""
+
+    all_channels: bool
+    channels: tuple[int, ...]
+
+
+def entries(raw: str) -> tuple[str, ...]:
+    """The entries of a comma-separated list, blanks trimmed, empty ones dropped."""
+    return tuple(entry for entry in (part.strip(BLANKS) for part in raw.split(",")) if entry)
+
+
+def device_token(entry: str) -> DeviceToken:
+    """One trimmed entry of a device list as a token; never raises (refusals are tokens too)."""
+    if entry in _DEVICE_KEYWORDS:
+        return _DEVICE_KEYWORDS[entry]
+    for pattern, make in _DEVICE_FORMS:
+        if match := pattern.fullmatch(entry):
+            return make(match)
+    return CdiName(entry) if entry.startswith("cdi/") or "=" in entry else Unknown(entry)
+
+
+def decode_devices(raw: str, *, source: str) -> DeviceList | None:
+    """A device list with NVIDIA's semantics, or None for void (unset-equivalent).
+
+    Empty or ``void`` anywhere is None; otherwise the first of ``all``/``none``
+    decides; otherwise every entry must be a device id (duplicates dropped).
+    """
+    tokens = [device_token(entry) for entry in entries(raw)]
+    if not tokens or Keyword.VOID in tokens:
+        return None
+    for token in tokens:
+        if token is Keyword.ALL or token is Keyword.NONE:
+            # NVIDIA: the first of all/none encountered decides, whatever else is listed.
+            return DeviceList(all_devices=token is Keyword.ALL, devices=())
+    ids: list[DeviceId] = []
+    for token in tokens:
+        match token:
+            case GpuIndex() | GpuUuid() | MigUuid() | MigIndex():
+                ids.append(token)
+            case CdiName():
+                raise RequestError(
+                    f"{source}={raw!r}: {token.text!r} is a CDI device name; gpuhook's hook takes indices or UUIDs. "
+                    "Fix: request the GPU by index or UUID, or let a CDI-aware engine apply the CDI spec"
+                )
+            case _:
+                raise RequestError(f"{source}={raw!r}: {str(token)!r} is not a device; expected {ACCEPTED_FORMS}")
+    return DeviceList(all_devices=False, devices=tuple(dict.fromkeys(ids)))
+
+
+def channel_token(entry: str) -> ChannelToken:
+    """One trimmed entry of an IMEX channel list as a token; never raises."""
+    if entry == Keyword.ALL:
+        return Keyword.ALL
+    if _CHANNEL_RE.fullmatch(entry) and int(entry) < MAX_IMEX_CHANNEL:
+        return ChannelId(int(entry))
+    return Unknown(entry)
+
+
+def decode_channels(raw: str, *, source: str) -> ChannelList:
+    """An IMEX channel list: decimal ids below 2^20 (duplicates dropped), or ``all``, which decides the list.
+
+    What ``all`` means is the front-end's call: the hook ignores it, as NVIDIA does; argv refuses it.
+    """
+    tokens = [channel_token(entry) for entry in entries(raw)]
+    if Keyword.ALL in tokens:
+        return ChannelList(all_channels=True, channels=())
+    channels: list[int] = []
+    for token in tokens:
+        if not isinstance(token, ChannelId):
+            raise RequestError(
+                f"{source}={raw!r}: {str(token)!r} is not a channel; expected comma-separated decimal ids "
+                f"below {MAX_IMEX_CHANNEL}"
+            )
+        channels.append(token.channel)
+    return ChannelList(all_channels=False, channels=tuple(dict.fromkeys(channels)))
+
+
+def decode_mig_control(raw: str, *, source: str) -> bool:
+    """A MIG control value (NVIDIA_MIG_CONFIG_DEVICES, --mig-config, ...): blank is off, ``all`` is on."""
+    value = raw.strip(BLANKS)
+    if not value:
+        return False
+    if value != Keyword.ALL:
+        raise RequestError(f"{source}={value!r}: only 'all' is supported")
+    return True
