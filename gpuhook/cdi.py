@@ -1,6 +1,6 @@
 """CDI spec generation: the planner's answers, rendered as a Container Device Interface spec.
 
-Pure: an inventory and a placement target in, a spec dict out (no I/O). Each
+Pure: an inventory, the live facts and a placement target in, a spec dict out (no I/O). Each
 device's edits come from ``plan_devices`` on a request for that one device, and
 the spec-level edits from ``make_plan`` on a ``none`` request with the default
 capabilities (utility, compute), so CDI and the hook inject the same files and
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpuhook.inventory import HostDevice, Inventory
+from gpuhook.inventory import HostDevice, Inventory, LiveFacts, narrow_to_live
 from gpuhook.planning.plan import BindMount, DeviceNode, Plan
 from gpuhook.planning.planner import Target, make_plan, plan_devices
 from gpuhook.request.model import DEFAULT_CAPABILITIES, DeviceId, GpuIndex, GpuRequest, GpuUuid, MigIndex, MigUuid
@@ -56,22 +56,27 @@ def device_ids(inventory: Inventory) -> list[tuple[str, DeviceId | None]]:
     return [(name, ident) for name, ident in out if _NAME_RE.fullmatch(name)] + [(ALL, None)]
 
 
-def render_spec(inventory: Inventory, target: Target, hook_argv: Sequence[str] | None = None) -> Rendered:
-    """The ``nvidia.com/gpu`` spec for every device of *inventory*, libraries placed as *target* says.
+def render_spec(inventory: Inventory, live: LiveFacts, target: Target,
+                hook_argv: Sequence[str] | None = None) -> Rendered:
+    """The ``nvidia.com/gpu`` spec for every device of *inventory* that exists now, libraries placed as *target* says.
+
+    *live* holds the MIG layout and capability nodes (``LiveNeeds(mig=True)``): the spec names
+    the MIG devices that exist when it is written.
 
     *hook_argv* (absolute program first) is how the runtime runs gpuhook; with it, a
     ``createContainer`` hook ``... cdi-hook update-ldcache --folder DIR`` rebuilds the
     container's ld.so.cache, which no spec field can do.
     """
+    inventory = narrow_to_live(inventory, live)
     driver = make_plan(GpuRequest(all_devices=False, devices=(), capabilities=DEFAULT_CAPABILITIES, raw="none"),
-                       inventory, target)
+                       inventory, live, target)
     shared = {(d.major, d.minor) for d in driver.devices}
-    host_paths = _host_paths(inventory)
+    host_paths = _host_paths(inventory, live)
     devices = []
     for name, ident in device_ids(inventory):
         request = GpuRequest(all_devices=ident is None, devices=() if ident is None else (ident,),
                              capabilities=DEFAULT_CAPABILITIES, raw=name)
-        nodes = [d for d in plan_devices(request, inventory).devices if (d.major, d.minor) not in shared]
+        nodes = [d for d in plan_devices(request, inventory, live).devices if (d.major, d.minor) not in shared]
         devices.append({"name": name, "containerEdits": {"deviceNodes": [_node(d, host_paths) for d in nodes]}})
     edits: dict[str, Any] = {
         "env": list(SPEC_ENV),
@@ -113,10 +118,10 @@ def minimum_version(spec: dict[str, Any]) -> str:
     return next((v for v in _VERSIONS if checks.get(v)), "0.3.0")
 
 
-def _host_paths(inventory: Inventory) -> dict[tuple[int, int], str]:
+def _host_paths(inventory: Inventory, live: LiveFacts) -> dict[tuple[int, int], str]:
     """(major, minor) → the node's host path, for every node the planner can pick."""
-    every: Iterable[HostDevice] = (*inventory.control_nodes, *inventory.gpu_nodes, *inventory.caps_nodes,
-                                   *inventory.extra_nodes)
+    every: Iterable[HostDevice] = (*inventory.control_nodes, *inventory.gpu_nodes, *live.caps_nodes,
+                                   *live.extra_nodes)
     return {(n.major, n.minor): str(n.host_path) for n in every}
 
 

@@ -135,7 +135,7 @@ def translate_nvidia_argv(words: Sequence[str]) -> list[str] | str:
         name, eq, value = arg.lstrip("-").partition("=")
         if not arg.startswith("-"):
             if arg not in STAGES:
-                return f"unknown command {arg!r}\n{NVIDIA_USAGE}"
+                return f"gpuhook: unknown command {arg!r}\n{NVIDIA_USAGE}"
             return [*out, arg]
         if name == "version":
             return f"gpuhook {__version__} (nvidia-container-runtime-hook compatible)"
@@ -144,12 +144,12 @@ def translate_nvidia_argv(words: Sequence[str]) -> list[str] | str:
         elif name in ("config", "daemon-socket"):  # the latter is gpuhook's own (gpuhookd's socket)
             if not eq:
                 if not args:
-                    return f"flag needs an argument: -{name}\n{NVIDIA_USAGE}"
+                    return f"gpuhook: flag needs an argument: -{name}\n{NVIDIA_USAGE}"
                 value = args.pop(0)
             out += [f"--{name}", value]
         else:
-            return f"flag provided but not defined: {arg}\n{NVIDIA_USAGE}"
-    return f"missing command\n{NVIDIA_USAGE}"
+            return f"gpuhook: flag provided but not defined: {arg}\n{NVIDIA_USAGE}"
+    return f"gpuhook: missing command\n{NVIDIA_USAGE}"
 
 
 def relayed_hook_args(argv: Sequence[str]) -> HookArgs | None:

@@ -29,18 +29,16 @@ from gpuhook.apply.ldconfig import open_ldconfig, seal_ahead, update_ldcache
 from gpuhook.apply.view import enter_client_view
 from gpuhook.cdi import Rendered, render_spec
 from gpuhook.config import Config, HealthPolicy, load_config, resolve_config_path
-from gpuhook.discovery.cache import CachedDiscoverer, CacheLookup
+from gpuhook.discovery import Found, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
-from gpuhook.discovery.health import read_xids
-from gpuhook.discovery.host import HostDiscoverer, extra_nodes
 from gpuhook.errors import GpuHookError, SpecError
-from gpuhook.inventory import Inventory
+from gpuhook.inventory import Inventory, LiveNeeds
 from gpuhook.log import configure_logging, get_logger
 from gpuhook.oci.spec import BundleSpec, spec_from_object
 from gpuhook.oci.state import state_from_object
 from gpuhook.planning.paths import libs32_dir, libs_dir
 from gpuhook.planning.plan import Plan
-from gpuhook.planning.planner import Target, make_plan, plan_devices
+from gpuhook.planning.planner import Target, live_needs, make_plan, plan_devices
 from gpuhook.planning.specedit import add_devices
 from gpuhook.request.model import GpuRequest
 from gpuhook.request.parse import parse_request
@@ -112,14 +110,15 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
     """Inventory, plan and apply *request* to *container*; raises GpuHookError (and leaves nothing behind)."""
     started = time.monotonic() if started is None else started
     log = get_logger()
+    target = _target(container.rootfs, config, placement, runtime_devices)
     step = time.monotonic()
-    inventory, found = _inventory_for(config, request)
+    found = inventory_for(config, live_needs(request, target))
+    inventory = found.inventory
     log.info("host_discovered", driver=inventory.driver_version, gpus=len(inventory.gpus),
              cache=found.outcome.value, ms=_ms(step))
     if found.not_stored is not None:
         log.warning("inventory_not_cached", reason=found.not_stored)
-    target = _target(container.rootfs, config, placement, runtime_devices)
-    plan = make_plan(request, inventory, target)
+    plan = make_plan(request, inventory, found.live, target)
     _log_plan(plan)
     step = time.monotonic()
     ref = ContainerRef(pid=container.pid, rootfs=container.rootfs, rootfs_id=rootfs_identity(container.rootfs))
@@ -186,8 +185,9 @@ def render_plan(config: Config, spec: BundleSpec) -> tuple[GpuRequest, Plan] | N
     request = request_for(spec, config)
     if request is None:
         return None
-    inventory, _ = _inventory_for(config, request)
-    return request, make_plan(request, inventory, _target(spec.rootfs, config, Placement(), spec.runtime_devices))
+    target = _target(spec.rootfs, config, Placement(), spec.runtime_devices)
+    found = inventory_for(config, live_needs(request, target))
+    return request, make_plan(request, found.inventory, found.live, target)
 
 
 def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec) -> Mapping[str, Any]:
@@ -195,8 +195,8 @@ def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec) -
     request = request_for(spec, config)
     if request is None:
         return raw
-    inventory, _ = _inventory_for(config, request)
-    return add_devices(raw, plan_devices(request, inventory).devices)
+    found = inventory_for(config, live_needs(request))
+    return add_devices(raw, plan_devices(request, found.inventory, found.live).devices)
 
 
 def render_cdi(config: Config, hook_argv: list[str] | None) -> Rendered:
@@ -210,17 +210,19 @@ def render_cdi(config: Config, hook_argv: list[str] | None) -> Rendered:
     target = Target(libs_dir=libs_dir(debian_like=True, machine=machine),
                     libs32_dir=libs32_dir(debian_like=True, machine=machine),
                     unhealthy_gpus=HealthPolicy.IGNORE)
-    return render_spec(host_inventory(config).inventory, target, hook_argv)
+    found = host_inventory(config)
+    return render_spec(found.inventory, found.live, target, hook_argv)
 
 
-def host_inventory(config: Config, *, refresh: bool = False) -> CacheLookup:
-    """The host's inventory through the cache (``info``, ``nvidia-container-cli info|list``, CDI)."""
-    return CachedDiscoverer(config=config, inner=HostDiscoverer(config), refresh=refresh).lookup()
+def host_inventory(config: Config, *, refresh: bool = False) -> Found:
+    """The host's inventory through the cache, MIG devices as they exist now (``info``, ``nvidia-container-cli
+    info|list``, CDI)."""
+    return inventory_for(config, LiveNeeds(mig=True), refresh=refresh)
 
 
 def discover_uncached(config: Config) -> Inventory:
     """The host's inventory straight from NVML, bypassing the cache (``gpuhook doctor``)."""
-    return HostDiscoverer(config).discover()
+    return inventory_for(dataclasses.replace(config, cache_dir=None), LiveNeeds()).inventory
 
 
 def check_ldconfig(path: Path) -> None:
@@ -239,18 +241,6 @@ def request_for(spec: BundleSpec, config: Config) -> GpuRequest | None:
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-
-
-def _inventory_for(config: Config, request: GpuRequest) -> tuple[Inventory, CacheLookup]:
-    """The cached inventory and what is read fresh on every start, never cached: IMEX/gated nodes
-    when asked for, the Xid log when the health policy looks at it."""
-    found = host_inventory(config)
-    inventory = found.inventory
-    if request.imex_channels or request.gated:
-        inventory = dataclasses.replace(inventory, extra_nodes=extra_nodes(config.dev_root))
-    if config.unhealthy_gpus is not HealthPolicy.IGNORE:
-        inventory = dataclasses.replace(inventory, xid_errors=read_xids(config.dev_root))
-    return inventory, found
 
 
 def _target(rootfs: Path, config: Config, placement: Placement,

@@ -32,7 +32,16 @@ def _parser() -> argparse.ArgumentParser:
 
     from gpuhook.daemon.wire import DEFAULT_SOCKET
 
-    parser = argparse.ArgumentParser(prog="gpuhook", description="OCI hook that gives containers NVIDIA GPUs.")
+    class Parser(argparse.ArgumentParser):
+        """argparse, with its error line in gpuhook's form (``gpuhook: COMMAND: ...``; exit status 2)."""
+
+        def error(self, message: str) -> NoReturn:
+            """Print the usage and one ``gpuhook:`` line, exit 2."""
+            self.print_usage(sys.stderr)
+            where = self.prog.removeprefix("gpuhook").strip()
+            self.exit(2, f"gpuhook: {where + ': ' if where else ''}{message}\n")
+
+    parser = Parser(prog="gpuhook", description="OCI hook that gives containers NVIDIA GPUs.")
     parser.add_argument(
         "--config", metavar="FILE", help="config file (default: $GPUHOOK_CONFIG, then /etc/gpuhook/config.yaml)"
     )

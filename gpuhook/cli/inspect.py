@@ -55,6 +55,7 @@ _SOURCES = {
     "refresh": "rebuilt from NVML and cached",
     "disabled": "from NVML (cache disabled)",
     "no-identity": "from NVML (driver identity unreadable; not cached)",
+    "mig-changed": "rebuilt from NVML for a new MIG instance, and cached",
 }
 
 

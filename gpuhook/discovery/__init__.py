@@ -2,27 +2,17 @@
 
 ``inventory_for`` is the one entry point: every front-end's inventory comes from it
 (through gpuhook.service), so the cache, the live facts and their reconciliation
-are decided here once.
+are decided here once (see discovery.cache).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from gpuhook.config import Config
+from gpuhook.discovery.cache import CachedDiscoverer, Found, Outcome
+from gpuhook.discovery.host import HostDiscoverer
+from gpuhook.inventory import LiveNeeds
 
-from gpuhook.inventory import Inventory
-
-if TYPE_CHECKING:
-    from gpuhook.config import Config
-    from gpuhook.discovery.cache import Found
-    from gpuhook.inventory import LiveNeeds
-
-
-class Discoverer(Protocol):
-    """Anything that can produce the host's inventory."""
-
-    def discover(self) -> Inventory:
-        """Inventory the host's GPUs and driver files."""
-        ...
+__all__ = ["Found", "Outcome", "inventory_for"]
 
 
 def inventory_for(config: Config, needs: LiveNeeds, *, refresh: bool = False) -> Found:
@@ -31,8 +21,4 @@ def inventory_for(config: Config, needs: LiveNeeds, *, refresh: bool = False) ->
     *refresh* rebuilds the cache from NVML first (``gpuhook info --refresh``); a config whose
     ``cache_dir`` is null asks NVML every time (outcome ``disabled``).
     """
-    # Imported here: cache imports this package's Discoverer.
-    from gpuhook.discovery.cache import CachedDiscoverer
-    from gpuhook.discovery.host import HostDiscoverer
-
     return CachedDiscoverer(config=config, inner=HostDiscoverer(config), refresh=refresh).find(needs)

@@ -59,11 +59,10 @@ import stat
 import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
 from gpuhook import __version__, catalog
 from gpuhook.config import Config
-from gpuhook.discovery import Discoverer
 from gpuhook.discovery.host import BINARY_DIRS, LIBRARY_DIRS, PROC_DRIVER_FILES
 from gpuhook.discovery.hostroot import HostRoot
 from gpuhook.discovery.live import read_live
@@ -81,6 +80,14 @@ _LIVE_DEV_ENTRIES: Final = frozenset({"nvidia-caps"})
 
 #: (st_dev, st_ino, st_size, st_mtime_ns) of a file or directory.
 Stamp = tuple[int, int, int, int]
+
+
+class Discoverer(Protocol):
+    """Anything that can produce the host's inventory (``HostDiscoverer`` asks NVML)."""
+
+    def discover(self) -> Inventory:
+        """Inventory the host's GPUs and driver files."""
+        ...
 
 
 class Outcome(enum.Enum):

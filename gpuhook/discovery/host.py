@@ -14,7 +14,6 @@ from gpuhook.discovery.hostroot import HostRoot
 from gpuhook.discovery.ldcache import LdCacheEntry, parse_ldcache
 from gpuhook.discovery.live import read_mig_layout
 from gpuhook.discovery.nodes import char_device
-from gpuhook.discovery.nodes import extra_nodes as extra_nodes  # temporary: until service.py uses inventory_for
 from gpuhook.discovery.procdevices import parse_mig_minors, parse_proc_devices
 from gpuhook.errors import DiscoveryError
 from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, ProcDriver

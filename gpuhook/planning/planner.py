@@ -177,8 +177,7 @@ def make_plan(request: GpuRequest, inventory: Inventory, live: LiveFacts, target
     gpus = device_plan.gpus
     caps = request.capabilities
     skipped = list(device_plan.skipped)
-    # check_health reads only .xid_errors, which live holds now (planning/health.py: take LiveFacts)
-    warnings = check_health(gpus, live, target.unhealthy_gpus)  # type: ignore[arg-type]
+    warnings = check_health(gpus, live, target.unhealthy_gpus)
     devices = tuple(d for d in device_plan.devices if (d.major, d.minor) not in target.runtime_devices)
     libraries = _libraries(inventory.libraries, caps, target.libs_dir, skipped)
     libraries32 = (_libraries(inventory.libraries32, caps, target.libs32_dir, skipped, bits="32-bit ")

@@ -1,4 +1,4 @@
-"""The inventory cache: its key, its file, and NVML asked only when the driver's identity changes (not the MIG layout)."""
+"""The inventory cache: its key, its file, and NVML asked only when the driver's identity changes (not MIG)."""
 
 from __future__ import annotations
 

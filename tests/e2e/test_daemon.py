@@ -319,6 +319,6 @@ def test_hook_side_of_a_served_request_imports_only_the_client(make_container: M
     result = make_container("devopen /dev/nvidia1", {"NVIDIA_VISIBLE_DEVICES": "1"}, hook=hook).run()
     assert result.returncode == 0, result.stderr
     assert "/dev/nvidia1 ENXIO" in result.stdout
-    client_side = {"gpuhook.daemon", "gpuhook.daemon.client", "gpuhook.daemon.wire", "gpuhook.sys", "gpuhook.sys.fdpass",
-                   "_socket"}
+    client_side = {"gpuhook.daemon", "gpuhook.daemon.client", "gpuhook.daemon.wire", "gpuhook.sys",
+                   "gpuhook.sys.fdpass", "_socket"}
     assert set(ast.literal_eval(report.read_text())) <= NO_GPU_PATH | client_side

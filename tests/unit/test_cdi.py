@@ -14,7 +14,7 @@ import yaml
 from gpuhook.cdi import KIND, MOUNT_OPTIONS, Rendered, device_ids, ldcache_hook, minimum_version, render_spec
 from gpuhook.cli import main
 from gpuhook.cli.cdi import encode
-from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, MigDevice
+from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, LiveFacts, MigDevice, MigInstance
 from gpuhook.planning.planner import Target
 from gpuhook.request.model import GpuIndex, MigIndex
 from integration.fakehost import FakeHost
@@ -38,7 +38,7 @@ def _file(name: str) -> DriverFile:
 
 
 def inventory(*, mig: bool = True) -> Inventory:
-    """Two GPUs; GPU 1 split into two MIG devices (GI 7 and 8), with their capability nodes."""
+    """Two GPUs; GPU 1 split into two MIG devices (GI 7 and 8)."""
     migs = (MigDevice(parent_index=1, index=0, uuid=MIGS[0], gi=7, ci=0),
             MigDevice(parent_index=1, index=1, uuid=MIGS[1], gi=8, ci=0)) if mig else ()
     minors = (("gpu1/gi7/access", 66), ("gpu1/gi7/ci0/access", 67),
@@ -56,6 +56,13 @@ def inventory(*, mig: bool = True) -> Inventory:
         ipc=(),
         mig_devices=migs,
         mig_minors=minors if mig else (),
+    )
+
+
+def live(*, mig: bool = True) -> LiveFacts:
+    """What a render reads at the time: GPU 1's two instances and their capability nodes (none without MIG)."""
+    return LiveFacts(
+        mig_instances=frozenset(MigInstance(gpu_minor=1, gi=gi, ci=0) for gi in (7, 8)) if mig else frozenset(),
         caps_nodes=tuple(_dev(f"nvidia-caps/nvidia-cap{m}", 510, m) for m in (66, 67, 75, 76)) if mig else (),
     )
 
@@ -72,7 +79,7 @@ def _paths(edits: dict[str, Any]) -> list[str]:
 
 def test_names_index_uuid_mig_and_all() -> None:
     """Every GPU by index and UUID, every MIG device by G:M and UUID, then all; list prints them qualified."""
-    rendered = render_spec(inventory(), TARGET)
+    rendered = render_spec(inventory(), live(), TARGET)
     expected = ["0", UUIDS[0], "1", UUIDS[1], "1:0", MIGS[0], "1:1", MIGS[1], "all"]
     assert [d["name"] for d in rendered.spec["devices"]] == expected
     assert rendered.names == tuple(f"nvidia.com/gpu={n}" for n in expected)
@@ -92,7 +99,7 @@ def test_legacy_mig_uuid_is_not_a_cdi_name() -> None:
 
 def test_device_edits_are_that_devices_nodes_only() -> None:
     """A GPU gets its /dev/nvidiaN; a MIG device its parent's node and its GI/CI caps; all gets every GPU node."""
-    rendered = render_spec(inventory(), TARGET)
+    rendered = render_spec(inventory(), live(), TARGET)
     assert _paths(_device(rendered, "1")["containerEdits"]) == ["/dev/nvidia1"]
     assert _device(rendered, UUIDS[0])["containerEdits"] == _device(rendered, "0")["containerEdits"]
     assert _paths(_device(rendered, "1:1")["containerEdits"]) == [
@@ -107,7 +114,7 @@ def test_device_edits_are_that_devices_nodes_only() -> None:
 
 def test_spec_edits_are_the_driver_for_utility_compute() -> None:
     """Control nodes (no modeset: that is display), compute+utility libraries, binaries, firmware; legacy hook off."""
-    edits = render_spec(inventory(), TARGET).spec["containerEdits"]
+    edits = render_spec(inventory(), live(), TARGET).spec["containerEdits"]
     assert _paths(edits) == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
     mounts = {m["containerPath"]: m for m in edits["mounts"]}
     assert set(mounts) == {f"{LIBS}/libcuda.so.{VER}", f"{LIBS}/libnvidia-ml.so.{VER}", "/usr/bin/nvidia-smi",
@@ -122,9 +129,9 @@ def test_spec_edits_are_the_driver_for_utility_compute() -> None:
 
 def test_ldcache_hook_when_asked_and_what_stays_uncovered() -> None:
     """With a hook argv, one createContainer hook runs gpuhook's update-ldcache over the libs dir."""
-    without = render_spec(inventory(), TARGET)
+    without = render_spec(inventory(), live(), TARGET)
     assert any("ld.so.cache" in item for item in without.not_covered)
-    rendered = render_spec(inventory(), TARGET, HOOK)
+    rendered = render_spec(inventory(), live(), TARGET, HOOK)
     assert rendered.spec["containerEdits"]["hooks"] == [{
         "hookName": "createContainer", "path": HOOK[0],
         "args": [*HOOK, "cdi-hook", "update-ldcache", "--folder", LIBS], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
@@ -138,7 +145,7 @@ def test_ldcache_hook_when_asked_and_what_stays_uncovered() -> None:
 
 def test_version_is_the_lowest_covering_the_fields() -> None:
     """0.5.0 for host paths and digit-first names (as NVIDIA's); each newer field raises it; older specs stay low."""
-    assert render_spec(inventory(), TARGET).spec["cdiVersion"] == "0.5.0"
+    assert render_spec(inventory(), live(), TARGET).spec["cdiVersion"] == "0.5.0"
     base: dict[str, Any] = {"kind": KIND, "devices": [{"name": "gpu", "containerEdits": {
         "deviceNodes": [{"path": "/dev/nvidia0"}]}}]}
     assert minimum_version(base) == "0.3.0"
@@ -154,7 +161,7 @@ def test_version_is_the_lowest_covering_the_fields() -> None:
 
 def test_no_mig_host() -> None:
     """Without MIG devices: index and UUID names only, and the caps of no MIG device anywhere."""
-    rendered = render_spec(inventory(mig=False), TARGET)
+    rendered = render_spec(inventory(mig=False), live(mig=False), TARGET)
     assert [d["name"] for d in rendered.spec["devices"]] == ["0", UUIDS[0], "1", UUIDS[1], "all"]
     assert "nvidia-caps" not in json.dumps(rendered.spec)
 
@@ -162,7 +169,7 @@ def test_no_mig_host() -> None:
 @pytest.mark.parametrize("fmt", ["yaml", "json"])
 def test_round_trip(fmt: str) -> None:
     """The encoded spec reads back equal (YAML: names like '0' and '1:0' stay strings, fileMode an int)."""
-    rendered = render_spec(inventory(), TARGET, HOOK)
+    rendered = render_spec(inventory(), live(), TARGET, HOOK)
     text = encode(rendered, fmt)
     back = yaml.safe_load(text) if fmt == "yaml" else json.loads(text)
     assert back == rendered.spec

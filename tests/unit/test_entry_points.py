@@ -123,7 +123,7 @@ def bad_inputs(tmp_path: Path, host: FakeHost) -> list[tuple[str, list[str], byt
     a_file = tmp_path / "file"
     a_file.write_text("x")
     return [
-        ("gpuhook", [], b"", "error: the following arguments are required"),
+        ("gpuhook", [], b"", "the following arguments are required"),
         ("gpuhook", ["frobnicate"], b"", "invalid choice"),
         ("gpuhook", ["--config", config, "prestart"], b"not json", "the OCI state on stdin"),
         ("gpuhook", ["--config", config, "prestart"], b'{"id": "x", "pid": 5, "bundle": "rel"}', "absolute"),

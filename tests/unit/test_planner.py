@@ -219,7 +219,7 @@ def _mig_inventory() -> Inventory:
 
 
 def _mig_live(*gis: int) -> LiveFacts:
-    """GPU 0's compute instances in GPU instances *gis* (CI 0 each) exist, with caps nodes for them and config/monitor."""
+    """GPU 0's instances in GIs *gis* (CI 0 each) exist, with their caps nodes and config/monitor's."""
     minors = {7: (66, 67), 8: (75, 76), 9: (84, 85)}
     caps = tuple(_dev(f"nvidia-caps/nvidia-cap{m}", 510, m) for m in (1, 2, *(m for gi in gis for m in minors[gi])))
     return LiveFacts(mig_instances=frozenset(MigInstance(gpu_minor=0, gi=gi, ci=0) for gi in gis), caps_nodes=caps)
