@@ -5,15 +5,17 @@ Front-ends (the OCI hook, gpuhookd, ``nvidia-container-cli configure``, the spec
 the only module that imports both discovery (read the host) and apply (change a container),
 and the only one that orders effects:
 
-* ``start``: request → inventory (cached) + live facts → plan → apply. Apply undoes its own
-  steps when one fails; what a start takes on the host (leases, MIG instances, MPS daemons:
-  the next issues) goes on this module's undo stack, recorded before it is used.
+* ``start``: request → inventory (cached) + live facts → plan → device access → rootfs changes,
+  each effect's undo pushed on one undo stack as soon as the effect exists and unwound, newest
+  first, when a later step fails. What a start will take on the host (leases, MIG instances,
+  MPS daemons: the next issues) goes on the same stack, recorded before it is used.
 * ``stop``: poststop's work (releasing what a start took). Nothing is taken yet, so nothing.
 * ``render_*``: the same plan rendered instead of applied (spec edits, CDI, ``plan``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import resource
@@ -23,7 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuhook.apply import ChildForkedAhead, ContainerRef, apply_plan, fork_apply_child
+from gpuhook.apply import (
+    ChildForkedAhead,
+    ContainerRef,
+    change_rootfs,
+    fork_apply_child,
+    grant_device_access,
+    opened_container,
+)
 from gpuhook.apply.ahead import ChildAhead
 from gpuhook.apply.ldconfig import open_ldconfig, seal_ahead, update_ldcache
 from gpuhook.apply.view import enter_client_view
@@ -122,7 +131,14 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
     _log_plan(plan)
     step = time.monotonic()
     ref = ContainerRef(pid=container.pid, rootfs=container.rootfs, rootfs_id=rootfs_identity(container.rootfs))
-    report = apply_plan(plan, ref, ldconfig=config.ldconfig, timeout=config.timeout_seconds, ahead=ahead)
+    with opened_container(ref.pid) as pidfd, contextlib.ExitStack() as undo:
+        # The undo stack: each effect's undo is pushed as soon as the effect exists; any failure
+        # later unwinds them all, newest first (the rootfs child undoes its own changes itself).
+        if (ungrant := grant_device_access(plan, ref.pid)) is not None:
+            undo.callback(ungrant)
+        report = change_rootfs(plan, pidfd, ref, ldconfig=config.ldconfig, timeout=config.timeout_seconds,
+                               ahead=ahead)
+        undo.pop_all()  # the start holds: keep every effect
     for what in report.skipped:
         log.warning("apply_skipped", what=what)
     # Peak memory of this process (the hook, or gpuhookd's worker); the apply child is not counted.

@@ -1,7 +1,7 @@
 """The one privileged step: apply a Plan to a live container.
 
-Order (each step undone if a later one fails, so a refused container leaves
-nothing behind):
+Two steps, which ``gpuhook.service`` runs in order on its undo stack (each undone if a later
+one fails, so a refused container leaves nothing behind):
 
 1. in the hook process, on the host: the device-cgroup rules;
 2. in a forked, single-threaded child (``setns`` into a mount namespace is
@@ -31,13 +31,14 @@ from gpuhook.apply import cgroups
 from gpuhook.apply.children import wait_child
 from gpuhook.apply.ldconfig import open_ldconfig, run_ldconfig
 from gpuhook.apply.rootfs import RootFs
-from gpuhook.errors import ApplyError
+from gpuhook.errors import ApplyError, error_from_dict
 from gpuhook.planning.plan import BindMount, CudaCompat, Plan, ProcDriverMount
 from gpuhook.sys import process, syscalls
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from gpuhook.apply.ahead import ChildAhead
+    from gpuhook.apply.cgroups import Undo
 
 _NO_PROC_DRIVER = "the container's /proc has no driver/nvidia (the NVIDIA kernel module is not loaded on this host)"
 
@@ -77,22 +78,30 @@ def fork_apply_child(*, priority: int, close: Sequence[int] = ()) -> ChildAhead:
     return ChildAhead(_child_from_payload, priority=priority, close=close, prepare=fork_ldconfig_ahead)
 
 
-def apply_plan(plan: Plan, container: ContainerRef, *, ldconfig: Path, timeout: float,
-               ahead: ChildForkedAhead | None = None) -> ApplyReport:
-    """Apply *plan* to *container* (in *ahead*'s child if given, else a fresh one); raises ApplyError."""
-    pidfd = _open_container(container.pid)
+@contextmanager
+def opened_container(pid: int) -> Iterator[int]:
+    """A pidfd for the container's init *pid* (which must live in a mount namespace other than ours)
+    for the duration of one start; every later step acts through it, never through the number."""
+    pidfd = _open_container(pid)
     try:
-        undo_cgroup = None
-        if plan.cgroup_rules:
-            undo_cgroup = cgroups.grant(cgroups.locate_device_cgroup(container.pid), plan.cgroup_rules)
-        try:
-            return _run_child(plan, pidfd, container, ldconfig, timeout, ahead)
-        except BaseException:
-            if undo_cgroup is not None:
-                undo_cgroup()
-            raise
+        yield pidfd
     finally:
         os.close(pidfd)
+
+
+def grant_device_access(plan: Plan, pid: int) -> Undo | None:
+    """Step 1, in the caller's process on the host: the plan's device-cgroup rules; how to take them back."""
+    if not plan.cgroup_rules:
+        return None
+    return cgroups.grant(cgroups.locate_device_cgroup(pid), plan.cgroup_rules)
+
+
+def change_rootfs(plan: Plan, pidfd: int, container: ContainerRef, *, ldconfig: Path, timeout: float,
+                  ahead: ChildForkedAhead | None = None) -> ApplyReport:
+    """Step 2: the plan's nodes, mounts, symlinks, /proc mask and ldconfig, made in a child inside the
+    container's mount namespace (*ahead*'s child if given, else a fresh one), which undoes its own
+    changes when one fails; raises ApplyError."""
+    return _run_child(plan, pidfd, container, ldconfig, timeout, ahead)
 
 
 def _shared_namespaces(pid: int) -> int:
@@ -148,11 +157,11 @@ def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, 
     raw = result.output
     rootfs = container.rootfs
     try:
-        report = json.loads(raw) if raw else {"error": {"step": "apply", "path": str(rootfs), "detail": "no report"}}
+        report = json.loads(raw) if raw else {"error": ApplyError("apply", str(rootfs), detail="no report").to_dict()}
     except ValueError:
-        report = {"error": {"step": "apply", "path": str(rootfs), "detail": f"garbled report {raw[:200]!r}"}}
+        report = {"error": ApplyError("apply", str(rootfs), detail=f"garbled report {raw[:200]!r}").to_dict()}
     if "error" in report:
-        raise ApplyError(**report["error"])
+        raise error_from_dict(report["error"])
     return ApplyReport(skipped=tuple(report["skipped"]))
 
 
@@ -187,11 +196,11 @@ def _child_main(
         report: dict[str, object] = {"skipped": skipped}
         status = 0
     except ApplyError as err:
-        report = {"error": {"step": err.step, "path": err.path, "errno_": err.errno, "detail": err.detail}}
+        report = {"error": err.to_dict()}
         status = 1
     except BaseException as err:  # noqa: BLE001 - the child must always report, never unwind into the hook
         detail = f"{type(err).__name__}: {err}"
-        report = {"error": {"step": "apply", "path": str(container.rootfs), "detail": detail}}
+        report = {"error": ApplyError("apply", str(container.rootfs), detail=detail).to_dict()}
         status = 2
     os.write(out_fd, json.dumps(report).encode())
     if ldconfig_ahead is not None:
