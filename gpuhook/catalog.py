@@ -31,6 +31,14 @@ LIBRARIES: Final[Mapping[Capability, tuple[str, ...]]] = MappingProxyType({
     Capability.NGX: ("libnvidia-ngx.so",),
 })
 
+#: The libraries without which a capability cannot work at all (NVML for utility, the CUDA driver for
+#: compute): a GPU start whose capabilities need one the driver lacks is refused, never started without
+#: it. Every other library of LIBRARIES is optional (a headless driver has no graphics ones): skipped.
+REQUIRED_LIBRARIES: Final[Mapping[Capability, tuple[str, ...]]] = MappingProxyType({
+    Capability.UTILITY: ("libnvidia-ml.so",),
+    Capability.COMPUTE: ("libcuda.so",),
+})
+
 #: Every library prefix the driver may have, for discovery.
 ALL_LIBRARY_PREFIXES: Final = tuple(p for prefixes in LIBRARIES.values() for p in prefixes)
 
@@ -101,6 +109,12 @@ def library_prefixes(caps: Iterable[Capability]) -> tuple[str, ...]:
     """Library name prefixes to inject for *caps*."""
     wanted = library_capabilities(caps)
     return tuple(p for cap, prefixes in LIBRARIES.items() if cap in wanted for p in prefixes)
+
+
+def required_libraries(caps: Iterable[Capability]) -> frozenset[str]:
+    """The library prefixes *caps* cannot do without (video ⇒ compute's libcuda)."""
+    wanted = library_capabilities(caps)
+    return frozenset(p for cap, prefixes in REQUIRED_LIBRARIES.items() if cap in wanted for p in prefixes)
 
 
 def binaries(caps: Iterable[Capability]) -> tuple[str, ...]:

@@ -140,9 +140,18 @@ def report_failure(err: GpuHookError) -> str:
     """Log *err* as one ``hook_failed`` event (when this process set up logging) and return its user line.
 
     Every front-end reports through this, and prints the line (gpuhookd sends it back to the hook).
+    Messages echo container values, so the line is cut to ``_REPORT_LIMIT`` characters with a
+    marker of how many more there were: a container cannot fill a runtime's error or the log.
     The log module is looked up, not imported: a refused no-GPU start never loads it.
     """
+    line = failure_line(err)
+    if len(line) > _REPORT_LIMIT:
+        line = f"{line[:_REPORT_LIMIT]}…({len(line) - _REPORT_LIMIT} more)"
     log = sys.modules.get("gpuhook.log")
     if log is not None and log.is_configured():
-        log.get_logger().error("hook_failed", kind=type(err).__name__, error=str(err))
-    return failure_line(err)
+        log.get_logger().error("hook_failed", kind=type(err).__name__, error=line.removeprefix("gpuhook: "))
+    return line
+
+
+#: The most characters of a reported failure's line (log.MESSAGE_LIMIT; this module imports nothing of gpuhook).
+_REPORT_LIMIT = 4096

@@ -22,12 +22,12 @@ import time
 from gpuhook import __version__
 from gpuhook.errors import SpecError, UnsafeEnvironmentError
 from gpuhook.oci import strictjson
-from gpuhook.request.quick import asks_for_gpu
+from gpuhook.request.quick import GPU_MARKERS, asks_for_gpu
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
-    from typing import Any
+    from typing import Any, BinaryIO
 
 # What a stage does (see the module docstring).
 START = "start"
@@ -37,6 +37,9 @@ STAGES = {"prestart": START, "createRuntime": START, "poststart": NOTHING, "post
 
 STATE_WHAT = "the OCI state on stdin"
 STDIN_TIMEOUT = 5.0
+#: A config.json over the size cap is scanned this far for GPU_MARKERS (64 KiB at a time, never held whole).
+SCAN_LIMIT = 256 << 20
+_SCAN_CHUNK = 1 << 16
 
 #: The names NVIDIA's hook is installed under; their argv is Go ``flag`` style.
 NVIDIA_HOOK_NAMES = ("nvidia-container-runtime-hook", "nvidia-container-toolkit")
@@ -45,6 +48,13 @@ NVIDIA_USAGE = ("usage: nvidia-container-runtime-hook [-config FILE] [-debug] [-
 
 #: Harmless interpreter settings some daemons export; every other LD_*/PYTHON* variable trips.
 _ALLOWED = frozenset({"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING"})
+#: glibc's other variables that load code or files into a process before or beside its own
+#: (iconv modules, locales, tunables, resolver and message catalogs): what ld.so's secure mode
+#: would drop for a setuid program (sysdeps/generic/unsecvars.h), as a hook's root process has none.
+UNSAFE_NAMES = frozenset({
+    "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE",
+    "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS",
+})
 
 
 class HookArgs:
@@ -81,13 +91,15 @@ class HookCall:
 
 
 def check_environment(env: Mapping[str, str]) -> None:
-    """Refuse to run with loader or interpreter variables in a root process's own environment.
+    """Refuse to run with loader, libc or interpreter variables in a root process's own environment.
 
-    ``LD_*`` and ``PYTHON*`` act before Python's first line (NVIDIAScape, CVE-2025-23266, was
-    ``LD_PRELOAD`` reaching a root hook), so they cannot be undone here; finding one means the
-    registration is unsafe. Every front-end that acts as root for a container calls this first.
+    ``LD_*``, ``PYTHON*`` (but ``_ALLOWED``) and ``UNSAFE_NAMES`` act before Python's first line
+    (NVIDIAScape, CVE-2025-23266, was ``LD_PRELOAD`` reaching a root hook; ``LOCPATH`` with
+    ``GCONV_PATH`` loads a library into ``python -I``), so they cannot be undone here; finding one
+    means the registration is unsafe. Every front-end that acts as root for a container calls this first.
     """
-    found = sorted(k for k in env if k.startswith(("LD_", "PYTHON")) and k not in _ALLOWED)
+    found = sorted(k for k in env
+                   if (k.startswith(("LD_", "PYTHON")) and k not in _ALLOWED) or k in UNSAFE_NAMES)
     if found:
         raise UnsafeEnvironmentError(
             f"the hook's environment sets {', '.join(found)}; they can inject code into a root process "
@@ -181,8 +193,11 @@ def read_hook_call(args: HookArgs, env: Mapping[str, str], state_bytes: bytes, *
         return call
     call.bundle = strictjson.get_str(call.state, "bundle" if "bundle" in call.state else "bundlePath",
                                      what=STATE_WHAT)
-    call.spec_bytes = (read_config_json(call.bundle, limit=strictjson.SPEC_LIMIT, root_fd=root_fd)
-                       if spec_bytes is None else spec_bytes)
+    if spec_bytes is None:
+        spec_bytes = read_start_config(call.bundle, limit=strictjson.SPEC_LIMIT, root_fd=root_fd)
+        if spec_bytes is None:  # over the cap, and certainly no GPU: left untouched
+            return call
+    call.spec_bytes = spec_bytes
     call.spec = strictjson.loads_object(call.spec_bytes, what=f"{call.bundle}/config.json",
                                         limit=strictjson.SPEC_LIMIT)
     call.asks_gpu = asks_for_gpu(call.spec)
@@ -216,8 +231,64 @@ def read_config_json(bundle: str, *, limit: int, root_fd: int | None = None) -> 
     hook's root, passed as an fd). A lookup from an fd walks the mounts of the namespace that fd
     belongs to, and RESOLVE_IN_ROOT keeps ``..`` and absolute symlinks inside it, so the bundle
     is found exactly as the hook process itself would find it.
+
+    A hook's start reads it with ``read_start_config``: the cap protects the GPU path, so a file
+    over *limit* is not refused there when it certainly asks for no GPU. That is decided by a bounded
+    scan of its raw bytes (64 KiB at a time, at most ``SCAN_LIMIT``, never held whole): no
+    ``quick.GPU_MARKERS`` in them (``\\u``, ``NVIDIA_``, ``CUDA_VERSION``,
+    ``nvidia-container-devices``, ``cdi.k8s.io``). Every name a GPU request is read from contains
+    a marker, and ``\\uXXXX`` is the only JSON escape that can spell a letter, digit, ``_``, ``-``
+    or ``.``, so a file without any asks for no GPU whatever its shape. Any marker: refused as here.
     """
+    return _read_config(bundle, limit, root_fd, oversize_ok=False) or b""  # None only with oversize_ok
+
+
+def read_start_config(bundle: str, *, limit: int, root_fd: int | None = None) -> bytes | None:
+    """config.json for a hook's start: as ``read_config_json``, but None when it is over *limit* and
+    certainly asks for no GPU (the rule is in ``read_config_json``'s docstring)."""
+    return _read_config(bundle, limit, root_fd, oversize_ok=True)
+
+
+def _read_config(bundle: str, limit: int, root_fd: int | None, *, oversize_ok: bool) -> bytes | None:
+    """config.json's bytes; over *limit*: None if *oversize_ok* and no GPU marker is in it, else refused."""
     path = f"{bundle}/config.json"
+    fd = _open_config_json(bundle, path, root_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a directory with IsADirectoryError
+        os.close(fd)
+        raise SpecError(f"{path} is not a regular file")
+    with os.fdopen(fd, "rb") as handle:
+        if st.st_size <= limit:
+            data = handle.read(limit + 1)
+            if len(data) <= limit or not oversize_ok:
+                return data  # one byte over: loads_object names the limit
+            handle.seek(0)
+        if oversize_ok and not _has_gpu_marker(handle):
+            return None
+        raise SpecError(f"{path} is {max(st.st_size, limit + 1)} bytes; the limit is {limit}. A larger config.json "
+                        f"is read only when it asks for no GPU: at most {SCAN_LIMIT} bytes with none of "
+                        "NVIDIA_, CUDA_VERSION, nvidia-container-devices, cdi.k8s.io or a \\u escape in it")
+
+
+def _has_gpu_marker(handle: BinaryIO) -> bool:
+    """Whether the file's bytes hold one of ``GPU_MARKERS`` (or run past ``SCAN_LIMIT``), chunk by chunk."""
+    keep = max(len(m) for m in GPU_MARKERS) - 1  # a marker may straddle two chunks
+    tail = b""
+    scanned = 0
+    while scanned <= SCAN_LIMIT:
+        chunk = handle.read(_SCAN_CHUNK)
+        if not chunk:
+            return False
+        scanned += len(chunk)
+        window = tail + chunk
+        if any(m in window for m in GPU_MARKERS):
+            return True
+        tail = window[-keep:]
+    return True
+
+
+def _open_config_json(bundle: str, path: str, root_fd: int | None) -> int:
+    """An O_RDONLY fd of *path* (``<bundle>/config.json``), opened without following a symlink or blocking."""
     if not bundle.startswith("/"):
         raise SpecError(f"the bundle {bundle!r} must be an absolute path")
     try:
@@ -230,15 +301,8 @@ def read_config_json(bundle: str, *, limit: int, root_fd: int | None = None) -> 
                                        pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS)
         try:
             # O_NOFOLLOW: never a symlink to a host file; O_NONBLOCK: a FIFO cannot hang the open.
-            fd = os.open("config.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=bundle_fd)
+            return os.open("config.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=bundle_fd)
         finally:
             os.close(bundle_fd)
     except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
         raise SpecError(f"cannot open {path}: {getattr(err, 'strerror', None) or err}") from err
-    with os.fdopen(fd, "rb") as handle:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SpecError(f"{path} is not a regular file")
-        if st.st_size > limit:
-            raise SpecError(f"{path} is {st.st_size} bytes; the limit is {limit}")
-        return handle.read(limit + 1)

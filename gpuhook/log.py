@@ -17,6 +17,7 @@ bound once, key=value fields, one JSON object a line).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -24,17 +25,51 @@ from pathlib import Path
 from typing import Any, Final, TextIO
 
 LEVELS: Final = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+#: The most characters of one logged value; containers choose many (a refused one logged ~4 MB).
+VALUE_LIMIT: Final = 256
+#: The most characters of one message shown to a user (report_failure) or logged as a field.
+MESSAGE_LIMIT: Final = 4096
+#: The most items of one logged list or mapping (a host lists at most 64 GPUs and their MIG devices in one).
+ITEMS_LIMIT: Final = 128
+#: Fields whose value is a whole message (an error's text): bounded by MESSAGE_LIMIT, not VALUE_LIMIT.
+_MESSAGE_FIELDS: Final = frozenset({"error", "reason", "message", "detail"})
+
+
+def bounded(text: str, limit: int = VALUE_LIMIT) -> str:
+    """*text* cut to *limit* characters, with a marker saying how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}…({len(text) - limit} more)"
+
+
+def _bounded_value(value: Any, limit: int) -> Any:
+    """A field value with every string in it (and its repr, if JSON cannot hold it) bounded."""
+    if isinstance(value, str):
+        return bounded(value, limit)
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, list | tuple):
+        items = [_bounded_value(v, limit) for v in value[:ITEMS_LIMIT]]
+        return [*items, f"…({len(value) - ITEMS_LIMIT} more)"] if len(value) > ITEMS_LIMIT else items
+    if isinstance(value, dict):
+        pairs = list(value.items())
+        out = {bounded(str(k), limit): _bounded_value(v, limit) for k, v in pairs[:ITEMS_LIMIT]}
+        if len(pairs) > ITEMS_LIMIT:
+            out["…"] = f"({len(pairs) - ITEMS_LIMIT} more)"
+        return out
+    return bounded(str(value), limit)
 
 
 class EventLog:
     """Writes events at or above a level, with bound context, as JSON lines."""
 
-    __slots__ = ("_context", "_minimum", "_stream")
+    __slots__ = ("_context", "_failed", "_minimum", "_stream")
 
     def __init__(self, stream: TextIO | None = None, level: str = "info") -> None:
         self._stream = stream
         self._minimum = LEVELS[level]
         self._context: dict[str, Any] = {}
+        self._failed = False
 
     @property
     def configured(self) -> bool:
@@ -43,7 +78,7 @@ class EventLog:
 
     def bind(self, **context: Any) -> None:
         """Add fields to every later event (the container id, its pid)."""
-        self._context.update(context)
+        self._context.update({k: _bounded_value(v, VALUE_LIMIT) for k, v in context.items()})
 
     def debug(self, event: str, **fields: Any) -> None:
         """A detail for --debug runs."""
@@ -62,14 +97,37 @@ class EventLog:
         self._emit("error", event, fields)
 
     def _emit(self, level: str, event: str, fields: dict[str, Any]) -> None:
-        """One JSON line; values that JSON cannot hold are written as strings."""
+        """One JSON line, every value bounded; values that JSON cannot hold are written as strings.
+
+        Logging never refuses a start: a write that fails (a full disk, a closed stream) is said
+        once on stderr and later events are dropped quietly.
+        """
         if self._stream is None or LEVELS[level] < self._minimum:
             return
         now = time.time()
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
-        record = {"timestamp": stamp, "level": level, "event": event, **self._context, **fields}
-        self._stream.write(json.dumps(record, default=str) + "\n")
-        self._stream.flush()
+        bounded_fields = {k: _bounded_value(v, MESSAGE_LIMIT if k in _MESSAGE_FIELDS else VALUE_LIMIT)
+                          for k, v in fields.items()}
+        record = {"timestamp": stamp, "level": level, "event": event, **self._context, **bounded_fields}
+        line = json.dumps(record, default=str) + "\n"
+        try:
+            self._stream.write(line)
+            self._stream.flush()
+        except (OSError, ValueError) as err:  # ValueError: the stream was closed
+            self._write_failed(err)
+
+    def _write_failed(self, err: Exception) -> None:
+        """Say once on stderr that events are lost, and stop writing them."""
+        stream, self._stream = self._stream, None
+        if not self._failed:
+            self._failed = True
+            why = getattr(err, "strerror", None) or err
+            with contextlib.suppress(OSError, ValueError):
+                print(f"gpuhook: cannot write the log ({why}); later events of this process are dropped",
+                      file=sys.stderr)
+        if stream is not None and stream is not sys.stderr:
+            with contextlib.suppress(OSError, ValueError):  # the buffered line fails again: drop it
+                stream.close()
 
 
 _log = EventLog()
@@ -93,7 +151,8 @@ def _open_log(path: Path | None) -> TextIO:
         path.parent.mkdir(parents=True, exist_ok=True)
         return open(path, "a", encoding="utf-8")
     except OSError as err:
-        print(f"gpuhook: cannot open log file {path}: {err.strerror}; logging to stderr", file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError):  # stderr itself may be gone: logging never refuses
+            print(f"gpuhook: cannot open log file {path}: {err.strerror}; logging to stderr", file=sys.stderr)
         return sys.stderr
 
 

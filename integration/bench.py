@@ -49,7 +49,7 @@ import statistics
 import subprocess
 import sys
 import venv
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,12 +179,14 @@ def make_spec(scenario: Scenario, wrapper: tuple[str, ...] = ()) -> dict[str, An
     return spec
 
 
-def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path, daemon_socket: str) -> list[Scenario]:
+def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
+                   daemon_for: Callable[[Path], str]) -> list[Scenario]:
     """Hosts with 1, 8 and 64 GPUs (built once) and every scenario on them.
 
     The hook is registered as the packages register it: gpuhook-relay, served by gpuhookd (the
     package enables its socket). References: the Python hook (packaging/gpuhook-hook) with and
-    without gpuhookd, what starts cost where the relay or the daemon is not used.
+    without gpuhookd, what starts cost where the relay or the daemon is not used. gpuhookd serves
+    only its own config, so each config gets its daemon (``daemon_for(config)``: its socket).
     """
     hosts = {n: create_host(work / f"host{n}", gpus=n) for n in (1, 8, 64)}
     configs = work / "configs"
@@ -193,11 +195,12 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path, daem
     no_cache = write_config(configs / "host8-nocache.yaml", hosts[8], cache=False)
 
     def hook(config: Path) -> tuple[str, ...]:
-        return (str(relay), "--config", str(config), "--daemon-socket", daemon_socket, "prestart")
+        return (str(relay), "--config", str(config), "--daemon-socket", daemon_for(config), "prestart")
 
-    def python_hook(config: Path, socket: str = daemon_socket) -> tuple[str, ...]:
+    def python_hook(config: Path, socket: str | None = None) -> tuple[str, ...]:
         # What the kernel runs for packaging/gpuhook-hook (its shebang is `python -I`).
-        return (str(python), "-I", str(LAUNCHER), "--config", str(config), "--daemon-socket", socket, "prestart")
+        return (str(python), "-I", str(LAUNCHER), "--config", str(config), "--daemon-socket",
+                socket or daemon_for(config), "prestart")
 
     def gpus(caps: str) -> tuple[str, ...]:
         return ("NVIDIA_VISIBLE_DEVICES=all", f"NVIDIA_DRIVER_CAPABILITIES={caps}")
@@ -425,15 +428,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     rootfs_src = build_rootfs(REPO / ".cache" / "rootfs")
     python = install_hook(WORK / "venv")
     relay = install_relay(python.parent, python)
-    daemon = Gpuhookd(python, WORK / "gpuhookd")  # as systemd's gpuhookd.socket would start it
+    daemons: dict[Path, Gpuhookd] = {}
+
+    def daemon_for(config: Path) -> str:
+        # as systemd's gpuhookd.socket would start it, with that host's config
+        if config not in daemons:
+            daemons[config] = Gpuhookd(python, WORK / f"gpuhookd-{config.stem}", config=config)
+        return daemons[config].socket
+
     try:
-        scenarios = make_scenarios(python, relay, rootfs_src, WORK, daemon.socket)
+        scenarios = make_scenarios(python, relay, rootfs_src, WORK, daemon_for)
         print(f"running {len(scenarios)} scenarios × {args.runs} runs, interleaved", file=sys.stderr)
         samples = measure(scenarios, python, rootfs_src, WORK, args.runs)
     finally:
-        journal = daemon.stop()
-    if "request failed" in journal:
-        raise BenchError(f"a gpuhookd request failed: {journal}")
+        journals = [daemon.stop() for daemon in daemons.values()]
+    if any("request failed" in journal for journal in journals):
+        raise BenchError(f"a gpuhookd request failed: {journals}")
     results = summarise(scenarios, samples)
     imports = import_profile(python, WORK / "configs" / "host8.yaml", WORK)
     report = {

@@ -68,7 +68,7 @@ echo "== runc run with the hook, in-process"
 write_spec none && runs hook
 echo "== runc run with the hook, through gpuhookd"
 mkdir -m 0700 "$WORK/gpuhookd"
-"$PY" -I -m gpuhook daemon --socket "$WORK/gpuhookd/gpuhookd.sock" > "$OUT/gpuhookd.txt" 2>&1 &
+"$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" daemon --socket "$WORK/gpuhookd/gpuhookd.sock" > "$OUT/gpuhookd.txt" 2>&1 &
 DAEMON=$!
 for _ in $(seq 100); do [ -S "$WORK/gpuhookd/gpuhookd.sock" ] && break; sleep 0.1; done
 sleep 1  # the spare workers prepare

@@ -16,17 +16,21 @@ class DaemonError(RuntimeError):
 
 
 class Gpuhookd:
-    """``python -I -m gpuhook daemon --socket <dir>/gpuhookd.sock`` with its stderr (its journal) in a file."""
+    """``python -I -m gpuhook daemon --socket <dir>/gpuhookd.sock`` with its stderr (its journal) in a file.
 
-    def __init__(self, python: Path | str, socket_dir: Path) -> None:
+    *config*: the config file it serves (``$GPUHOOK_CONFIG``); gpuhookd declines hooks that name another.
+    """
+
+    def __init__(self, python: Path | str, socket_dir: Path, config: Path | None = None) -> None:
         socket_dir.mkdir(mode=0o700, exist_ok=True)
         self.python = str(python)
         self.socket = str(socket_dir / "gpuhookd.sock")
         self.journal = socket_dir.parent / f"{socket_dir.name}.journal"
+        self.config = config
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", **({"GPUHOOK_CONFIG": str(config)} if config else {})}
         with self.journal.open("wb") as out:
             self.proc = subprocess.Popen([self.python, "-I", "-m", "gpuhook", "daemon", "--socket", self.socket],
-                                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/",
-                                         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/", env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.answers():
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -7,10 +7,12 @@
  * with fds of its namespaces and root, to gpuhookd (a `relay` request; see
  * gpuhook/daemon/wire.py and client.py). It parses no JSON: the daemon does all the work.
  *
- * Whenever the daemon cannot have started the work (no socket, a server that is not root, a
- * failed send, a `declined` reply), it runs the Python hook it stands for instead (see
- * find_python_hook), with the same argv, environment and stdin. Once a request is sent, anything but a reply is an error,
- * never a fallback: the work may have been half done and rolled back.
+ * Whenever the daemon cannot have started the work (no socket, a backlog that stays full, a
+ * server that is not root, a failed or timed-out send, a `declined` reply), it runs the Python
+ * hook it stands for instead (see find_python_hook), with the same argv and stdin and an
+ * allow-listed environment (fallback_environment). Once a request is sent, anything but a reply
+ * is an error, never a fallback: the work may have been half done and rolled back. Every wait has
+ * a deadline (the *_TIMEOUT_* values below), so the worst case is their sum.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -22,6 +24,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -33,8 +36,11 @@
 #define DEFAULT_SOCKET "/run/gpuhook/gpuhookd.sock"
 #define STATE_LIMIT (1 << 20)   /* strictjson.STATE_LIMIT; one byte more lets the daemon say "too big" */
 #define REPLY_LIMIT (1 << 16)   /* wire.REPLY_LIMIT */
-#define STDIN_TIMEOUT_MS 5000   /* cli.inputs.STDIN_TIMEOUT */
+#define STDIN_TIMEOUT_MS 5000   /* hookcall.STDIN_TIMEOUT */
+#define CONNECT_TIMEOUT_S 1     /* client.CONNECT_TIMEOUT: a backlog full that long is a daemon not serving */
+#define SEND_TIMEOUT_S 5        /* client.SEND_TIMEOUT: server.READ_TIMEOUT, the daemon's own bound */
 #define REPLY_TIMEOUT_S 150     /* client.REPLY_TIMEOUT: longer than the daemon's own request limit */
+#define DEFAULT_PATH "PATH=/usr/sbin:/usr/bin:/sbin:/bin"
 #define NFDS 5                  /* client.NAMESPACES and the root, in that order */
 
 extern char **environ;
@@ -47,6 +53,7 @@ static size_t out_len;
 static int sock = -1, fds[NFDS], fds_sent;
 static char errbuf[4096];
 static sigset_t saved_mask;
+static long long send_deadline;
 
 static long long now_ms(void)
 {
@@ -55,12 +62,12 @@ static long long now_ms(void)
     return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* 1: fd is readable (or at EOF, or in error: read() tells), 0: the deadline passed. */
-static int readable(int fd, long long deadline)
+/* 1: fd is ready for *events* (or at EOF, or in error: the next call tells), 0: the deadline passed. */
+static int ready(int fd, short events, long long deadline)
 {
     for (;;) {
         long long left = deadline - now_ms();
-        struct pollfd p = { .fd = fd, .events = POLLIN };
+        struct pollfd p = { .fd = fd, .events = events };
         if (left <= 0)
             return 0;
         int n = poll(&p, 1, (int)left);
@@ -69,6 +76,11 @@ static int readable(int fd, long long deadline)
         if (n < 0 && errno != EINTR && errno != EAGAIN)
             return 1;
     }
+}
+
+static int readable(int fd, long long deadline)
+{
+    return ready(fd, POLLIN, deadline);
 }
 
 /* A variable's name, up to '=', compared as bytes (Python's sorted() on str agrees for UTF-8). */
@@ -81,8 +93,16 @@ static int name_cmp(const char *a, const char *b)
     }
 }
 
+/* hookcall.UNSAFE_NAMES: glibc's variables that load code or files into a process (unsecvars.h). */
+static const char *const unsafe_names[] = { "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES",
+                                            "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE", "NIS_PATH", "NLSPATH",
+                                            "RESOLV_HOST_CONF", "RES_OPTIONS" };
+
 static int tripped(const char *entry)
 {
+    for (size_t i = 0; i < sizeof unsafe_names / sizeof *unsafe_names; i++)
+        if (name_cmp(entry, unsafe_names[i]) == 0)
+            return 1;
     if (strncmp(entry, "LD_", 3) != 0 && strncmp(entry, "PYTHON", 6) != 0)
         return 0;
     return name_cmp(entry, "PYTHONUNBUFFERED") && name_cmp(entry, "PYTHONDONTWRITEBYTECODE") &&
@@ -90,10 +110,11 @@ static int tripped(const char *entry)
 }
 
 /*
- * LD_* and PYTHON* reach a root hook before its first line (NVIDIAScape, CVE-2025-23266, was
- * LD_PRELOAD reaching a root hook). This program is static and loads nothing, but the Python hook
- * it falls back to would be exposed, and the environment goes on to gpuhookd: finding one means
- * the registration is unsafe, so refuse as the Python hook does (cli/hygiene.py, same words).
+ * LD_*, PYTHON* and glibc's other loading variables reach a root hook before its first line
+ * (NVIDIAScape, CVE-2025-23266, was LD_PRELOAD reaching a root hook). This program is static and
+ * loads nothing, and its fallback gets an allow-listed environment, but the environment goes on to
+ * gpuhookd: finding one means the registration is unsafe, so refuse as the Python hook does
+ * (hookcall.check_environment, same names, same words).
  */
 static void check_environment(void)
 {
@@ -166,6 +187,7 @@ static _Noreturn void die(const char *what, const char *detail)
  * daemon is told the name as argv[0]: it decodes NVIDIA's flags for NVIDIA's name.
  */
 static char python_hook[4096];
+static char self_path[2048];    /* /proc/self/exe: where this relay is, for messages */
 static const char *command;
 
 static void find_python_hook(void)
@@ -175,6 +197,7 @@ static void find_python_hook(void)
     if (n <= 0 || (size_t)n >= sizeof exe - 1)
         die("cannot find its own executable", n < 0 ? strerror(errno) : "unusable /proc/self/exe");
     exe[n] = '\0';
+    memcpy(self_path, exe, (size_t)n + 1);
     char *slash = strrchr(exe, '/'), *name = slash ? slash + 1 : NULL;
     if (!name || !*name)
         die("cannot find its own executable", exe);
@@ -192,9 +215,101 @@ static void find_python_hook(void)
     command = strrchr(python_hook, '/') + 1;
 }
 
-/* The Python hook, with our argv, environment and stdin. */
+/*
+ * What the Python hook runs with: not our environment but an allow-list, as it runs as root and
+ * its interpreter and libc act on many variables before its first line (LOCPATH with GCONV_PATH
+ * loads a library into `python -I`). PATH (the default when unset or empty: an empty PATH
+ * searches the cwd, the bundle), GPUHOOK_CONFIG (the hook's config search), and LANG/LC_ALL only
+ * as one of the locales that need no files. gpuhookd gets the whole environment (its tripwire
+ * and config search need it); only this exec is narrowed.
+ */
+static char *safe_env[5];
+
+/* Our first entry NAME=..., as getenv and Python's os.environ take it; NULL if none. */
+static char *entry_of(const char *name)
+{
+    for (char **e = environ; *e; e++)
+        if (strchr(*e, '=') && name_cmp(*e, name) == 0)
+            return *e;
+    return NULL;
+}
+
+static char **fallback_environment(void)
+{
+    static char default_path[] = DEFAULT_PATH;
+    static const char *const locales[] = { "C", "C.UTF-8", "POSIX" };
+    size_t n = 0;
+    char *path = entry_of("PATH"), *config = entry_of("GPUHOOK_CONFIG");
+    safe_env[n++] = path && path[5] ? path : default_path;
+    if (config)
+        safe_env[n++] = config;
+    for (int i = 0; i < 2; i++) {
+        char *entry = entry_of(i ? "LC_ALL" : "LANG");
+        for (size_t j = 0; entry && j < sizeof locales / sizeof *locales; j++)
+            if (strcmp(strchr(entry, '=') + 1, locales[j]) == 0) {
+                safe_env[n++] = entry;
+                break;
+            }
+    }
+    safe_env[n] = NULL;
+    return safe_env;
+}
+
+static _Noreturn void cannot_run(const char *why)
+{
+    fprintf(stderr, "gpuhook: gpuhook-relay cannot run %s, the Python hook for calls gpuhookd does not serve: %s\n",
+            python_hook, why);
+    exit(1);
+}
+
+/* 1: the files behind fds a and b hold the same bytes (both regular, the same size). */
+static int same_bytes(int a, int b)
+{
+    static char buf[1 << 16];
+    struct stat sa, sb;
+    if (fstat(a, &sa) || fstat(b, &sb) || !S_ISREG(sa.st_mode) || !S_ISREG(sb.st_mode) || sa.st_size != sb.st_size)
+        return 0;
+    for (off_t at = 0; at < sa.st_size;) {
+        ssize_t n = pread(a, out, sizeof buf, at);  /* out[]: no request or reply is needed any more */
+        if (n <= 0 || pread(b, buf, (size_t)n, at) != n || memcmp(out, buf, (size_t)n) != 0)
+            return 0;
+        at += n;
+    }
+    return 1;
+}
+
+/*
+ * The fallback opened, once, and never this relay: a copy of it installed under its command's
+ * name (or beside it, in bin/) would otherwise exec itself for ever when gpuhookd does not serve.
+ * Refused when it is our own file (st_dev/st_ino of /proc/self/exe) or the same bytes (another
+ * copy). Returns the fd, to exec (ELF) or to have checked (a script, see fallback).
+ */
+static int open_python_hook(void)
+{
+    int fd = open(python_hook, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);  /* a FIFO must not block us */
+    int self = open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+    struct stat st, me;
+    if (fd < 0)
+        cannot_run(strerror(errno));
+    if (self < 0 || fstat(self, &me) || fstat(fd, &st))
+        die("cannot find its own executable", strerror(errno));
+    if ((st.st_dev == me.st_dev && st.st_ino == me.st_ino) || same_bytes(fd, self)) {
+        fprintf(stderr, "gpuhook: gpuhook-relay %s would fall back to %s for calls gpuhookd does not serve, "
+                "which is %s; put the Python hook `%s` there, or make %s a symlink to the installed relay "
+                "instead of a copy\n", self_path, python_hook,
+                st.st_ino == me.st_ino && st.st_dev == me.st_dev ? "this relay itself" : "a copy of this relay",
+                command, self_path);
+        exit(1);
+    }
+    (void)close(self);
+    return fd;
+}
+
+/* The Python hook, with our argv, the allow-listed environment and our stdin. */
 static _Noreturn void fallback(char **argv)
 {
+    char magic[2] = { 0 };
+    int hook = open_python_hook();
     if (sock >= 0)
         (void)close(sock);  /* CLOEXEC anyway: the hook never sees it */
     if (state_read) {  /* stdin was consumed: a copy, not CLOEXEC, becomes the hook's stdin */
@@ -205,34 +320,44 @@ static _Noreturn void fallback(char **argv)
     }
     argv[0] = python_hook;
     (void)sigprocmask(SIG_SETMASK, &saved_mask, NULL);  /* cannot fail: valid arguments */
-    execve(python_hook, argv, environ);
-    fprintf(stderr, "gpuhook: gpuhook-relay cannot run %s, the Python hook for calls gpuhookd does not serve: %s\n",
-            python_hook, strerror(errno));
-    exit(1);
+    /* A binary runs from the fd checked, so nothing can be swapped in between. A script (the
+     * launchers are `#!python -I`) has to be reopened by path for its interpreter, as the fd is
+     * CLOEXEC; a relay put there meanwhile (only root can) refuses itself the same way: no loop. */
+    if (pread(hook, magic, sizeof magic, 0) == (ssize_t)sizeof magic && memcmp(magic, "#!", 2) == 0)
+        execve(python_hook, argv, fallback_environment());
+    else
+        fexecve(hook, argv, fallback_environment());
+    cannot_run(strerror(errno));
 }
 
-/* 0: sock is connected to a root server at path; -1: not (nothing was sent, the fallback is safe). */
+/*
+ * 0: sock is connected to a root server at path; -1: not (nothing was sent, the fallback is safe).
+ * A listener whose backlog is full (a daemon not accepting) blocks connect(), and a non-blocking
+ * unix connect fails at once with EAGAIN rather than being pollable: SO_SNDTIMEO is the bound the
+ * kernel applies to that wait (unix_stream_connect), and it ends in EAGAIN.
+ */
 static int connect_daemon(const char *path)
 {
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
     struct ucred cred;
     socklen_t len = sizeof cred;
-    struct timeval send_timeout = { .tv_sec = REPLY_TIMEOUT_S };
+    struct timeval connect_timeout = { .tv_sec = CONNECT_TIMEOUT_S };
     size_t n = strlen(path);
     if (n > sizeof addr.sun_path)
         return -1;
     memcpy(addr.sun_path, path, n);
     sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (sock < 0 || connect(sock, (struct sockaddr *)&addr, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n)))
+    if (sock < 0 || setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &connect_timeout, sizeof connect_timeout) ||
+        connect(sock, (struct sockaddr *)&addr, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n)))
         return -1;
     /* A --daemon-socket outside /run could be anyone's: never hand our namespaces to a non-root process. */
-    if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) || len != sizeof cred || cred.uid != 0)
-        return -1;
-    /* A daemon that stops reading must not hang the container start; a partial request is never run. */
-    return setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof send_timeout);
+    return getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) || len != sizeof cred || cred.uid != 0 ? -1 : 0;
 }
 
-/* Send everything; the first sendmsg carries our namespaces and root (SCM_RIGHTS). */
+/*
+ * Send everything by send_deadline; the first sendmsg carries our namespaces and root (SCM_RIGHTS).
+ * A daemon that stops reading must not hang the container start; a partial request is never run.
+ */
 static int send_all(const char *p, size_t n)
 {
     while (n > 0) {
@@ -249,9 +374,11 @@ static int send_all(const char *p, size_t n)
             c->cmsg_len = CMSG_LEN(sizeof fds);
             memcpy(CMSG_DATA(c), fds, sizeof fds);
         }
-        ssize_t s = sendmsg(sock, &msg, MSG_NOSIGNAL);
+        ssize_t s = sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (s < 0 && errno == EINTR)
             continue;
+        if (s < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && ready(sock, POLLOUT, send_deadline))
+            continue;  /* the buffer is full; nothing of this call was sent (the fds neither) */
         if (s <= 0)
             return -1;
         fds_sent = 1;
@@ -304,6 +431,7 @@ static int send_request(char **argv)
         ok = ok && fds[i] >= 0;
     }
     argv[0] = (char *)command;  /* which command's argv this is (find_python_hook) */
+    send_deadline = now_ms() + SEND_TIMEOUT_S * 1000LL;
     int n = snprintf(header, sizeof header, "gpuhookd/1 relay %zu %zu %zu %zu\n", strlen(GPUHOOK_VERSION),
                      joined_len(argv), joined_len(environ), state_len);
     ok = ok && n > 0 && (size_t)n < sizeof header && !put(header, (size_t)n) && !put(GPUHOOK_VERSION,
@@ -341,7 +469,7 @@ static void receive_reply(const char *path)
             no_answer(path, "reply too long");
         if (!readable(sock, deadline))
             no_answer(path, "timed out");
-        ssize_t n = recv(sock, out + len, REPLY_LIMIT + 1 - len, 0);
+        ssize_t n = recv(sock, out + len, REPLY_LIMIT + 1 - len, MSG_DONTWAIT);  /* poll said: never blocks */
         if (n == 0)
             break;
         if (n > 0)

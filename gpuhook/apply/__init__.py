@@ -12,7 +12,11 @@ one fails, so a refused container leaves nothing behind):
    /proc/driver/nvidia, and finally run the host's ldconfig chrooted in the rootfs.
 
 The child reports back over a pipe as JSON; the parent turns a failure into
-an ``ApplyError`` naming the step and path.
+an ``ApplyError`` naming the step and path. A child that made its changes then holds them,
+undoable, until the parent commits them (``RootfsChanges.commit``: one byte, one byte back);
+if the parent dies first (a runtime's hook timeout, gpuhookd's request alarm, SIGKILL), its end
+of their channel closes and the child undoes every change itself before it exits: the child
+does not die with its parent, so a killed hook leaves the rootfs as it was.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import json
 import os
 import re
 import signal
+import socket
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,6 +54,40 @@ class ApplyReport:
     """What the privileged step did not do, and why (data, logged by the caller)."""
 
     skipped: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RootfsChanges:
+    """The changes an apply child made and holds, undoable, until ``commit`` (or its channel closes)."""
+
+    report: ApplyReport
+    rootfs: str
+    channel: socket.socket
+    deadline: float
+
+    def commit(self) -> None:
+        """Tell the child to keep its changes, and wait for its word that it has; raises ApplyError
+        when it has undone them instead (it gave up waiting, or died)."""
+        try:
+            self.channel.settimeout(max(self.deadline - time.monotonic(), _COMMIT_GRACE_S))
+            self.channel.send(_COMMIT)
+            kept = self.channel.recv(1) == _KEPT
+        except OSError:
+            kept = False
+        finally:
+            self.channel.close()
+        if not kept:
+            raise ApplyError("commit", self.rootfs, detail="the apply child did not keep its changes (it undid them)")
+
+    def abandon(self) -> None:
+        """Let the child undo its changes (it sees its channel close); returns at once."""
+        self.channel.close()
+
+
+#: the parent's word that the start holds, and the child's that it kept its changes
+_COMMIT, _KEPT = b"c", b"k"
+#: what the commit may take at least, even with the start's time spent: the child only unlinks saved files
+_COMMIT_GRACE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,7 +140,18 @@ def change_rootfs(plan: Plan, pidfd: int, container: ContainerRef, *, ldconfig: 
                   ahead: ChildForkedAhead | None = None) -> ApplyReport:
     """Step 2: the plan's nodes, mounts, symlinks, /proc mask and ldconfig, made in a child inside the
     container's mount namespace (*ahead*'s child if given, else a fresh one), which undoes its own
-    changes when one fails; raises ApplyError."""
+    changes when one fails or when this process dies before they are kept; kept as soon as the child
+    reports (the start's last step). Raises ApplyError."""
+    changes = hold_rootfs_changes(plan, pidfd, container, ldconfig=ldconfig, timeout=timeout, ahead=ahead)
+    changes.commit()
+    return changes.report
+
+
+def hold_rootfs_changes(plan: Plan, pidfd: int, container: ContainerRef, *, ldconfig: Path, timeout: float,
+                        ahead: ChildForkedAhead | None = None) -> RootfsChanges:
+    """``change_rootfs`` for a caller with steps after it: the child holds its changes, undoable,
+    until ``commit()`` (and undoes them if this process dies first, or no commit comes within
+    *timeout*); ``abandon()`` undoes them. Raises ApplyError."""
     return _run_child(plan, pidfd, container, ldconfig, timeout, ahead)
 
 
@@ -137,21 +188,35 @@ def _open_container(pid: int) -> int:
 
 
 def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float,
-               ahead: ChildForkedAhead | None) -> ApplyReport:
+               ahead: ChildForkedAhead | None) -> RootfsChanges:
     """Fork (or hand the work to) the child that does the namespace work, and collect its report."""
+    deadline = time.monotonic() + timeout
     if ahead is not None:
         import pickle  # gpuhookd only (preloaded there)
 
         payload = pickle.dumps((plan, container, ldconfig, timeout))
-        child, read_fd = ahead.child.start(payload, (pidfd, ahead.mount_ns_fd, ahead.root_fd))
+        child, read_fd, channel = ahead.child.start(payload, (pidfd, ahead.mount_ns_fd, ahead.root_fd))
     else:
+        channel, child_channel = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         read_fd, write_fd = os.pipe()
         child = os.fork()
         if child == 0:  # pragma: no cover - runs in the forked child; exercised by the runc tests
             os.close(read_fd)
-            os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, write_fd))
+            channel.close()
+            os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, write_fd, child_channel))
         os.close(write_fd)
-    result = wait_child(child, read_fd, timeout, await_exit=False)  # the report is its last word
+        child_channel.close()
+    try:
+        report = _collect(child, read_fd, container, timeout)
+    except BaseException:
+        channel.close()  # nothing to keep: a child still holding changes undoes them
+        raise
+    return RootfsChanges(report, str(container.rootfs), channel, deadline)
+
+
+def _collect(child: int, read_fd: int, container: ContainerRef, timeout: float) -> ApplyReport:
+    """The child's report (its last word before it waits for the commit); raises its ApplyError."""
+    result = wait_child(child, read_fd, timeout, await_exit=False)
     if result.timed_out:
         raise ApplyError("apply", str(container.rootfs), detail=f"timed out after {timeout:g} s")
     raw = result.output
@@ -165,34 +230,41 @@ def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, 
     return ApplyReport(skipped=tuple(report["skipped"]))
 
 
-def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ahead: ChildAhead | None) -> int:
+def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ahead: ChildAhead | None,
+                        channel: socket.socket) -> int:
     """A child forked ahead, now given its work: (plan, container, ldconfig, timeout) pickled by the
     worker that forked it (same code, same trust), and fds: pidfd, the hook's mount namespace, root."""
     import pickle
 
     plan, container, ldconfig, timeout = pickle.loads(payload)
     pidfd, mount_ns_fd, root_fd = fds
-    return _child_main(plan, pidfd, container, ldconfig, timeout, out_fd, view=(mount_ns_fd, root_fd),
+    return _child_main(plan, pidfd, container, ldconfig, timeout, out_fd, channel, view=(mount_ns_fd, root_fd),
                        ldconfig_ahead=ldconfig_ahead)
 
 
 def _child_main(
     plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, out_fd: int,
-    view: tuple[int, int] | None = None, ldconfig_ahead: ChildAhead | None = None,
+    channel: socket.socket, view: tuple[int, int] | None = None, ldconfig_ahead: ChildAhead | None = None,
 ) -> int:
-    """Body of the forked child; returns its exit status after writing the JSON report.
+    """Body of the forked child; returns its exit status after writing the JSON report and either
+    keeping its changes (the parent's commit on *channel*) or undoing them.
 
     *view*: the hook's mount namespace and root to enter first, and *ldconfig_ahead* the ldconfig
     child it forked ahead (a child forked ahead by gpuhookd).
     """
+    deadline = time.monotonic() + timeout
+    fs: RootFs | None = None
     try:
         process.prctl(process.PR_SET_DUMPABLE, 0)  # no ptrace or /proc/<pid>/mem access from the container
-        process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)  # a hook killed by the runtime takes us along
+        # Never die with the parent (a child forked ahead was set to): a hook killed by its runtime
+        # must not take along the only process that can undo what was done in the container.
+        process.prctl(process.PR_SET_PDEATHSIG, 0)
         if view is not None:
             syscalls.enter_mount_view(*view)
             for fd in view:
                 os.close(fd)
-        skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, ldconfig_ahead)
+        fs, skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, ldconfig_ahead,
+                                          channel.fileno())
         report: dict[str, object] = {"skipped": skipped}
         status = 0
     except ApplyError as err:
@@ -202,17 +274,43 @@ def _child_main(
         detail = f"{type(err).__name__}: {err}"
         report = {"error": ApplyError("apply", str(container.rootfs), detail=detail).to_dict()}
         status = 2
-    os.write(out_fd, json.dumps(report).encode())
+    with contextlib.suppress(OSError):  # EPIPE: the parent has gone, and the changes go below
+        os.write(out_fd, json.dumps(report).encode())
     if ldconfig_ahead is not None:
         ldconfig_ahead.cancel()  # not needed after all (a no-op once started)
-    os.close(out_fd)  # our last word: the parent goes on while this process exits
+    os.close(out_fd)  # our report's end: the parent goes on
+    if fs is not None and not _hold(fs, channel, deadline):
+        status = 3
+    channel.close()
     return status
+
+
+def _hold(fs: RootFs, channel: socket.socket, deadline: float) -> bool:
+    """Wait for the parent's commit: keep the changes and say so (True), or undo them all when the
+    channel closes first (the parent died) or the deadline passes (False)."""
+    try:
+        channel.settimeout(max(deadline - time.monotonic(), 0.0))
+        committed = channel.recv(1) == _COMMIT
+    except OSError:  # TimeoutError included
+        committed = False
+    if committed:
+        fs.commit()
+        with contextlib.suppress(OSError):
+            channel.send(_KEPT)
+        return True
+    if leftovers := fs.rollback():
+        # Nobody is left to report to but our stderr (the runtime's log, or gpuhookd's journal).
+        with contextlib.suppress(OSError):
+            os.write(2, f"gpuhook: abandoned start; could not undo: {'; '.join(leftovers)}\n".encode())
+    return False
 
 
 def _apply_in_container(
     plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, ldconfig_ahead: ChildAhead | None,
-) -> list[str]:
-    """Open host sources, enter the container, make every change; undo all on failure."""
+    abort_fd: int,
+) -> tuple[RootFs, list[str]]:
+    """Open host sources, enter the container, make every change; undo all on failure. *abort_fd*:
+    the channel to the parent, whose closing stops a running ldconfig."""
     os.umask(0)
     trees = [_host_tree(m) for m in plan.mounts]
     proc_binds = (*plan.proc_driver.gpu_dirs, *plan.proc_driver.cap_files) if plan.proc_driver else ()
@@ -237,24 +335,51 @@ def _apply_in_container(
             with _step("mount tmpfs", plan.proc_driver.target):
                 if not _mask_proc_driver(fs, plan.proc_driver, proc_trees):
                     skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
-        dirs = plan.ldconfig.dirs if plan.ldconfig is not None else ()
-        if plan.cuda_compat is not None:
-            with _step("cuda compat", plan.cuda_compat.directory):
-                use, note = _cuda_compat(fs, plan.cuda_compat)
-            if use:
-                dirs = (plan.cuda_compat.directory, *dirs)
-            else:
-                skipped.append(note)
+        dirs = _compat_first(fs, plan, skipped)
         if dirs and ldconfig_fd is not None:
+            with _step("save", LD_SO_CACHE):
+                # ldconfig replaces the cache (through a temporary beside it): an undo puts the image's back.
+                fs.save_aside(LD_SO_CACHE)
+                fs.save_aside(LD_SO_CACHE + "~")
+                for directory, prefixes in _library_dirs(plan).items():
+                    fs.watch_links(directory, prefixes)
             # Half the budget: a hung ldconfig must fail inside this child, so rollback still runs.
             run_ldconfig(ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared, timeout=timeout / 2,
-                         ahead=ldconfig_ahead)
+                         ahead=ldconfig_ahead, abort_fd=abort_fd)
     except BaseException as err:
         leftovers = fs.rollback()
         if leftovers and isinstance(err, ApplyError):
             err.detail = f"{err.detail or 'failed'}; could not undo: {'; '.join(leftovers)}"
         raise
-    return skipped
+    return fs, skipped
+
+
+_LIBRARY = re.compile(r"(lib[^/]*\.so\.)[0-9][0-9.]*")
+
+
+def _library_dirs(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """Where the plan mounts libraries, and their ``libX.so.`` prefixes: ldconfig links their SONAMEs there."""
+    found: dict[str, set[str]] = {}
+    for mount in plan.mounts:
+        directory, _, name = mount.target.rpartition("/")
+        if (m := _LIBRARY.fullmatch(name)) is not None:
+            found.setdefault(directory or "/", set()).add(m[1])
+    return {d: tuple(sorted(p)) for d, p in found.items()}
+
+
+def _compat_first(fs: RootFs, plan: Plan, skipped: list[str]) -> tuple[str, ...]:
+    """ldconfig's directories: the image's compat directory first when it applies; when it does not,
+    the configuration an earlier start wrote for it (before a host driver upgrade) is taken back."""
+    dirs = plan.ldconfig.dirs if plan.ldconfig is not None else ()
+    if plan.cuda_compat is not None:
+        with _step("cuda compat", plan.cuda_compat.directory):
+            use, note = _cuda_compat(fs, plan.cuda_compat)
+        if use:
+            return (plan.cuda_compat.directory, *dirs)
+        skipped.append(note)
+    with _step("cuda compat", COMPAT_CONF):
+        fs.remove_if(COMPAT_CONF, _COMPAT_CONF_MAX, lambda text: _COMPAT_CONF_OURS.fullmatch(text) is not None)
+    return dirs
 
 
 @contextmanager
@@ -282,6 +407,10 @@ def _open_rootfs(container: ContainerRef) -> int:
 
 _COMPAT_LIB = re.compile(r"libcuda\.so\.([0-9]{1,4})\.[0-9.]{1,20}")
 COMPAT_CONF = "/etc/ld.so.conf.d/00-gpuhook-cuda-compat.conf"
+LD_SO_CACHE = "/etc/ld.so.cache"
+#: what gpuhook writes at COMPAT_CONF: one compat directory (CUDA_COMPAT_DIR or a versioned one)
+_COMPAT_CONF_OURS = re.compile(rb"/usr/local/cuda[A-Za-z0-9._-]{0,64}/compat\n?")
+_COMPAT_CONF_MAX = 128
 
 
 def _cuda_compat(fs: RootFs, compat: CudaCompat) -> tuple[bool, str]:

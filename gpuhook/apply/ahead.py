@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 
 from gpuhook.sys import fdpass, process
 
@@ -22,13 +23,15 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    #: (payload, fds, report fd, the child this one prepared) -> exit status
-    Work = Callable[[bytes, list[int], int, "ChildAhead | None"], int]
+    #: (payload, fds, report fd, the child this one prepared, the channel to the parent) -> exit status
+    Work = Callable[[bytes, list[int], int, "ChildAhead | None", socket.socket], int]
     #: (fds the prepared child must close, its priority) -> a child forked ahead by this one
     Prepare = Callable[[Sequence[int], int], "ChildAhead"]
 
 #: the payload (a pickled plan) stays far below this; the limit only bounds a broken parent
 PAYLOAD_LIMIT = 64 << 20
+#: the payload's length, sent before it (the channel stays open after the payload)
+_HEADER = struct.Struct("<Q")
 MAX_FDS = 8
 
 
@@ -62,17 +65,22 @@ class ChildAhead:
         self._channel: socket.socket | None = parent_end
         self._report_fd = read_fd
 
-    def start(self, payload: bytes, fds: Sequence[int]) -> tuple[int, int]:
-        """Send *payload* and *fds* to the child; (its pid, the fd its report arrives on)."""
+    def start(self, payload: bytes, fds: Sequence[int]) -> tuple[int, int, socket.socket]:
+        """Send *payload* and *fds* to the child; (its pid, the fd its report arrives on, the channel).
+
+        The payload goes length first, so the channel stays open both ways after it: the child
+        sees its EOF only when the caller closes it, or dies."""
         channel, self._channel = self._channel, None
         if channel is None:
             raise RuntimeError("this child was already started or cancelled")
+        framed = _HEADER.pack(len(payload)) + payload
         try:
-            sent = channel.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fdpass.pack_fds(fds))])
-            channel.sendall(payload[sent:])
-        finally:
-            channel.close()  # end of payload
-        return self.pid, self._report_fd
+            sent = channel.sendmsg([framed], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fdpass.pack_fds(fds))])
+            channel.sendall(framed[sent:])
+        except BaseException:
+            channel.close()
+            raise
+        return self.pid, self._report_fd, channel
 
     def cancel(self) -> None:
         """Let the child go without work (it exits on the closed channel) and reap it."""
@@ -91,21 +99,26 @@ def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: i
         return 0
     prepared = prepare((channel.fileno(), report_fd), priority) if prepare is not None else None
     os.setpriority(os.PRIO_PROCESS, 0, priority)  # prepared: wake for the work at full priority
-    chunks: list[bytes] = []
+    received = bytearray()
     fds: list[int] = []
-    size = 0
-    while size <= PAYLOAD_LIMIT:
+    size: int | None = None
+    while size is None or len(received) < _HEADER.size + size:
         data, ancillary, _, _ = channel.recvmsg(1 << 20, socket.CMSG_SPACE(MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
         for level, kind, raw in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds += fdpass.unpack_fds(raw)
         if not data:
             break
-        chunks.append(data)
-        size += len(data)
-    channel.close()
-    if not chunks:  # cancelled
+        received += data
+        if size is None and len(received) >= _HEADER.size:
+            size, = _HEADER.unpack_from(received)
+            if size > PAYLOAD_LIMIT:
+                break
+    if size is None or len(received) != _HEADER.size + size:  # cancelled (or a broken parent)
+        channel.close()
+        for fd in fds:
+            os.close(fd)
         if prepared is not None:
             prepared.cancel()
         return 0
-    return work(b"".join(chunks), fds, report_fd, prepared)
+    return work(bytes(received[_HEADER.size:]), fds, report_fd, prepared, channel)

@@ -39,6 +39,8 @@ from gpuhook.sys import pathrs, process, syscalls
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import socket
+
     from gpuhook.apply.ahead import ChildAhead
 
 _PT_INTERP: Final = 3
@@ -139,25 +141,30 @@ def _has_interpreter(fd: int, shown: str) -> bool:
 
 
 def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, pidfd: int, fresh: int, timeout: float,
-                 ahead: ChildAhead | None = None) -> None:
+                 ahead: ChildAhead | None = None, abort_fd: int | None = None) -> None:
     """Run ldconfig chrooted at *root_fd*, in the namespaces of the container *pidfd* names (fresh
     ones for the CLONE_NEW* flags in *fresh*: those it shares with the host); raises ApplyError
     with its output on failure.
 
     *ahead*: a child forked in advance by ``fork_ldconfig_ahead`` (gpuhookd), which first joins
-    the container's mount namespace; otherwise a child is forked now, in it already.
+    the container's mount namespace; otherwise a child is forked now, in it already. *abort_fd*:
+    the channel to the hook (or worker) we work for: its closing (that process was killed) kills
+    ldconfig at once.
     """
     argv = ["ldconfig", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *dirs]
     if ahead is not None:
         payload = "\0".join((str(fresh), *argv)).encode()
-        pid, read_fd = ahead.start(payload, (pidfd, root_fd, ldconfig_fd))
+        pid, read_fd, channel = ahead.start(payload, (pidfd, root_fd, ldconfig_fd))
+        channel.close()  # ldconfig answers only through its output
     else:
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - runs in the forked child
             _exec_sandboxed(ldconfig_fd, root_fd, pidfd, fresh, argv, write_fd)
         os.close(write_fd)
-    result = wait_child(pid, read_fd, timeout)
+    result = wait_child(pid, read_fd, timeout, abort_fd=abort_fd)
+    if result.abandoned:
+        raise ApplyError("ldconfig", " ".join(dirs), detail="stopped: the process that started this start has gone")
     output, status = result.output.decode("utf-8", "replace"), result.status
     if status != 0:
         why = f"killed by signal {-status}" if status is not None and status < 0 else f"exited with status {status}"
@@ -197,11 +204,13 @@ def fork_ldconfig_ahead(close: Sequence[int], priority: int) -> ChildAhead:
     return ChildAhead(_ldconfig_from_payload, priority=priority, close=close)
 
 
-def _ldconfig_from_payload(payload: bytes, fds: list[int], out_fd: int, _: ChildAhead | None) -> int:
+def _ldconfig_from_payload(payload: bytes, fds: list[int], out_fd: int, _: ChildAhead | None,
+                           channel: socket.socket) -> int:
     """Join the container's mount namespace (fds: its pidfd, the rootfs, the sealed ldconfig), then
     run the sandboxed ldconfig exactly as a child forked inside it would."""
     pidfd, root_fd, ldconfig_fd = fds
     fresh, *argv = payload.decode().split("\0")
+    channel.close()
     try:
         syscalls.setns(pidfd, syscalls.CLONE_NEWNS)
     except OSError as err:

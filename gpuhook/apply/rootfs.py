@@ -13,6 +13,7 @@ container must leave no file, node or mount behind.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
@@ -51,6 +52,8 @@ class RootFs:
     def __init__(self, root_fd: int) -> None:
         self.root_fd = root_fd
         self._undo: list[tuple[str, Callable[[], None]]] = []
+        #: what keeping the changes takes: unlinking the image's files that were set aside
+        self._on_commit: list[Callable[[], None]] = []
         self._shared: frozenset[int] | None = None
         # Directories already resolved, by container path: one plan puts many files into a few
         # directories. Safe to reuse because everything mounted through this object is mounted
@@ -160,7 +163,9 @@ class RootFs:
             os.close(fd)
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        """Create (or replace) the regular file *path* with *data*; never writes through a symlink."""
+        """Create (or replace) the regular file *path* with *data*; never writes through a symlink.
+        A file already holding exactly *data* is left as it is; another one is set aside (an undo
+        puts it back)."""
         parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
         dir_fd = self.directory(parent)
         try:
@@ -168,15 +173,103 @@ class RootFs:
         except FileNotFoundError:
             pass
         else:
-            kind = os.fstat(old).st_mode
-            os.close(old)
-            if stat.S_ISDIR(kind):
-                raise ApplyError("write", path, detail="exists in the image and is a directory")
-            os.unlink(name, dir_fd=dir_fd)  # a file or a symlink: the link itself goes, never its target
+            try:
+                kind = os.fstat(old).st_mode
+                if stat.S_ISDIR(kind):
+                    raise ApplyError("write", path, detail="exists in the image and is a directory")
+                if _small_contents(old, len(data)) == data:
+                    return
+            finally:
+                os.close(old)
+            self._set_aside(dir_fd, name, path)  # a file or a symlink: the link itself, never its target
         fd = os.open(name, _NEW_FILE, mode, dir_fd=dir_fd)
         self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=dir_fd))
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
+
+    def remove_if(self, path: str, limit: int, wanted: Callable[[bytes], bool]) -> bool:
+        """Remove the regular file *path* (at most *limit* bytes) if ``wanted(its contents)``; an undo
+        puts it back. Nothing but a regular file is opened, and no final symlink followed. True if removed."""
+        parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        dir_fd = self._existing_dir(parent)
+        if dir_fd is None:
+            return False
+        try:
+            try:
+                fd = pathrs.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, pathrs.RESOLVE_NO_SYMLINKS)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            try:
+                contents = _small_contents(fd, limit)
+            finally:
+                os.close(fd)
+            if contents is None or not wanted(contents):
+                return False
+            self._set_aside(os.dup(dir_fd), name, path)
+        finally:
+            os.close(dir_fd)
+        return True
+
+    def save_aside(self, path: str) -> None:
+        """Keep the image's *path* (a file or a symlink, not followed) as it is now, for an undo to put
+        back whatever replaces it; if absent, an undo removes what appears there."""
+        parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        dir_fd = self._existing_dir(parent)
+        if dir_fd is None:
+            return
+        hidden = _hidden_name(name)
+        try:
+            os.link(name, hidden, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=dir_fd))
+            return
+        except OSError as err:
+            os.close(dir_fd)
+            raise ApplyError("save", path, errno_=err.errno, detail="before ldconfig replaces it") from err
+        self._record(f"restore {path}", lambda: _put_back(dir_fd, hidden, name))
+        self._on_commit.append(lambda: os.unlink(hidden, dir_fd=dir_fd))
+
+    def watch_links(self, path: str, prefixes: tuple[str, ...]) -> None:
+        """Remember the symlinks named ``<prefix>*`` in the directory *path*, for an undo to take back
+        those that appear or change afterwards (ldconfig makes the SONAME links of the libraries
+        mounted there). Names only, one directory read: a start pays no more."""
+        try:
+            dir_fd = self.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return
+        with os.scandir(dir_fd) as entries:
+            names = {e.name for e in entries}
+        before = {n: os.readlink(n, dir_fd=dir_fd) for n in names if n.startswith(prefixes) and _is_link(dir_fd, n)}
+
+        def undo() -> None:
+            for name in os.listdir(dir_fd):
+                if not name.startswith(prefixes) or not _is_link(dir_fd, name):
+                    continue
+                if name not in names:
+                    os.unlink(name, dir_fd=dir_fd)
+                elif name in before and os.readlink(name, dir_fd=dir_fd) != before[name]:
+                    os.unlink(name, dir_fd=dir_fd)
+                    os.symlink(before[name], name, dir_fd=dir_fd)
+
+        self._record(f"take back the links ldconfig made in {path}", undo)
+
+    def _existing_dir(self, path: str) -> int | None:
+        """An O_PATH fd of the directory *path*, or None when there is none to open (absent, a
+        symlink loop, not a directory): then nothing of ours can be in it either."""
+        try:
+            return self.open(path, os.O_PATH | os.O_DIRECTORY)
+        except OSError:
+            return None
+
+    def _set_aside(self, dir_fd: int, name: str, path: str) -> None:
+        """Rename *name* to a hidden name in *dir_fd*: gone until an undo renames it back; a commit unlinks it."""
+        hidden = _hidden_name(name)
+        try:
+            os.rename(name, hidden, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError as err:
+            raise ApplyError("remove", path, errno_=err.errno) from err
+        self._record(f"restore {path}", lambda: _put_back(dir_fd, hidden, name))
+        self._on_commit.append(lambda: os.unlink(hidden, dir_fd=dir_fd))
 
     def symlink(self, path: str, target: str) -> bool:
         """Create *path* → *target* unless something already exists there; True if created."""
@@ -227,6 +320,19 @@ class RootFs:
         """Remember how to undo one change."""
         self._undo.append((what, undo))
 
+    def commit(self) -> list[str]:
+        """Keep every change: drop the undo log and the files set aside; returns what could not be dropped."""
+        failed = []
+        for drop in self._on_commit:
+            try:
+                drop()
+            except OSError as err:
+                failed.append(err.strerror or str(err))
+        self._on_commit.clear()
+        self._undo.clear()
+        return failed
+
+
     def rollback(self) -> list[str]:
         """Undo every recorded change, newest first; returns what could not be undone."""
         failed = []
@@ -237,4 +343,40 @@ class RootFs:
                 if err.errno != errno.ENOENT:
                     failed.append(f"{what}: {err.strerror}")
         self._undo.clear()
+        self._on_commit.clear()
         return failed
+
+
+def _is_link(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _hidden_name(name: str) -> str:
+    """A name beside *name* that nothing in the image can have guessed."""
+    return f".{name}.gpuhook-{os.urandom(6).hex()}"
+
+
+def _put_back(dir_fd: int, hidden: str, name: str) -> None:
+    """Rename *hidden* back to *name*, replacing what is there now (a rename between two links of one
+    file does nothing, so the hidden one is then unlinked)."""
+    os.rename(hidden, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(hidden, dir_fd=dir_fd)
+
+
+def _small_contents(fd: int, limit: int) -> bytes | None:
+    """The contents of the regular file *fd* (O_PATH) if it has at most *limit* bytes, else None.
+    Only a regular file is ever opened for reading: a FIFO or a device from the image could block."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+        return None
+    readable = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(readable).st_mode):
+            return None
+        return os.read(readable, limit + 1)
+    finally:
+        os.close(readable)

@@ -142,7 +142,7 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
         case "daemon":
             from gpuhook.cli.daemon import run_daemon
 
-            return run_daemon(args.socket, request_timeout=args.request_timeout, env=os.environ)
+            return run_daemon(args.socket, request_timeout=args.request_timeout, env=os.environ, config=config)
         case "doctor":
             from gpuhook.cli.doctor import run_doctor
             from gpuhook.daemon.wire import DEFAULT_SOCKET

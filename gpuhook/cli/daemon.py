@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 from gpuhook import __version__, service
-from gpuhook.daemon import server
+from gpuhook.config import ENV_VAR
+from gpuhook.daemon import pool, server
 from gpuhook.errors import ConfigError
 
 #: An hour: far beyond any runtime's hook timeout, and small enough for alarm(2) and a deadline.
@@ -16,17 +18,23 @@ if TYPE_CHECKING:
     from collections.abc import MutableMapping
 
 
-def run_daemon(socket_path: str, *, request_timeout: float, env: MutableMapping[str, str]) -> int:
-    """Listen (on systemd's socket, else on *socket_path*), preload the GPU path, serve forever."""
+def run_daemon(socket_path: str, *, request_timeout: float, env: MutableMapping[str, str],
+               config: str | None = None) -> int:
+    """Listen (on systemd's socket, else on *socket_path*), preload the GPU path, serve forever.
+
+    *config* (``gpuhook --config FILE daemon``), else ``$GPUHOOK_CONFIG``, else the default: the
+    one config file gpuhookd serves (a hook naming another one does the work itself).
+    """
     if os.geteuid() != 0:
         raise ConfigError("gpuhookd enters containers' namespaces and must run as root")
-    if not 0 < request_timeout <= MAX_REQUEST_TIMEOUT:  # also refuses nan
+    if not (math.isfinite(request_timeout) and 0 < request_timeout <= MAX_REQUEST_TIMEOUT):
         raise ConfigError(f"--request-timeout must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT:g}], "
                           f"got {request_timeout:g}")
+    own = server.OwnConfig.resolve(config, env)
     listener = server.systemd_socket(env)
     where = "the socket systemd passed" if listener is not None else socket_path
     server.preload()
-    note = service.prepare_daemon(env)
+    note = service.prepare_daemon({ENV_VAR: own.path} if own.required else {})
     if note:
         server.say(note)
     if listener is None:
@@ -34,5 +42,5 @@ def run_daemon(socket_path: str, *, request_timeout: float, env: MutableMapping[
         # instead of waiting in the backlog for the imports (systemd's socket queues them).
         listener = server.bind_socket(socket_path)
     os.chdir("/")
-    server.say(f"serving on {where} (gpuhook {__version__}, pid {os.getpid()})")
-    server.serve(listener, request_timeout=request_timeout)
+    server.say(f"serving on {where} (gpuhook {__version__}, pid {os.getpid()}, config {own.path})")
+    pool.serve(listener, request_timeout=request_timeout, config=own)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -37,6 +37,17 @@ def bundle_of(argv: Sequence[str]) -> Path | None:
         if arg.startswith("--bundle="):
             return Path(arg.partition("=")[2])
     return Path.cwd()
+
+
+#: containerd starts every shim, and so the runtime, with its own library directory added to
+#: LD_LIBRARY_PATH (observed: "/opt/containerd/lib:"): the engine's setting, not the container's.
+CONTAINERD_LIBRARY_PATH: Final = frozenset({"/opt/containerd/lib", ""})
+
+
+def engine_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """*env* without containerd's own LD_LIBRARY_PATH (exactly that value; anything else still trips the check)."""
+    return {key: value for key, value in env.items()
+            if not (key == "LD_LIBRARY_PATH" and set(value.split(":")) <= CONTAINERD_LIBRARY_PATH)}
 
 
 def hook_entry(config: str | None) -> dict[str, Any]:
@@ -63,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bundle = bundle_of(args)
     if bundle is not None:
         try:
-            check_environment(os.environ)  # it runs as root for the container being created
+            check_environment(engine_environment(os.environ))  # it runs as root for the container being created
             _edit(bundle.absolute(), os.environ.get("GPUHOOK_CONFIG"))
         except GpuHookError as err:
             print(report_failure(err), file=sys.stderr)

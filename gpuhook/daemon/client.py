@@ -1,10 +1,12 @@
 """The hook's side of gpuhookd: hand a GPU request to the warm daemon, or learn that it must be done here.
 
 Import-light on purpose (it runs on every GPU container start before anything heavy):
-``_socket`` and ``os``, no ``socket`` module (it imports ``enum``, ~3 ms).
+``_socket``, ``os``, ``struct`` and ``time``, no ``socket`` module (it imports ``enum``, ~3 ms).
+Every wait is bounded: connect ``CONNECT_TIMEOUT``, send ``SEND_TIMEOUT``, reply ``REPLY_TIMEOUT``
+(gpuhook-relay uses the same three, checked by its tests).
 
 Falling back is safe only while the daemon cannot have started the work: a missing socket,
-a refused connection, a server that is not root, a send that failed, or a ``declined``
+a refused connection, a backlog that stayed full, a server that is not root, a send that failed, or a ``declined``
 reply. Once the request is sent, anything but a reply (the daemon died, the answer was cut
 off) is an error: the work may be half done and rolled back, and doing it again here could
 meet its leftovers.
@@ -13,6 +15,8 @@ meet its leftovers.
 from __future__ import annotations
 
 import os
+import struct
+import time
 
 import _socket
 
@@ -29,6 +33,10 @@ if TYPE_CHECKING:
 NAMESPACES = ("mnt", "cgroup", "pid", "user")
 #: Longer than the daemon's own per-request limit, so the daemon gives up (and rolls back) first.
 REPLY_TIMEOUT = 150.0
+#: A backlog full this long is a daemon not serving: nothing was sent, the hook works alone.
+CONNECT_TIMEOUT = 1.0
+#: gpuhookd reads a whole request within its READ_TIMEOUT; sending it gets the same bound.
+SEND_TIMEOUT = 5.0
 
 
 class NotServed(Exception):  # noqa: N818 - an outcome, not a failure: the hook does the work itself
@@ -57,16 +65,22 @@ def exchange(path: str, request: bytes) -> tuple[bytes, int, str]:
     """Send *request* with our namespaces attached and return the decoded reply."""
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     try:
+        # A unix connect() waits while the listener's backlog is full, bounded only by SO_SNDTIMEO
+        # (a non-blocking one fails at once): EAGAIN after CONNECT_TIMEOUT.
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDTIMEO, struct.pack("@ll", int(CONNECT_TIMEOUT), 0))
         try:
             sock.connect(path)
-        except OSError as err:  # ENOENT, ECONNREFUSED (stale socket), EACCES, ENOTSOCK, ...
-            raise NotServed(f"no gpuhookd at {path} ({err.strerror})") from None
+        except OSError as err:  # ENOENT, ECONNREFUSED (stale socket), EACCES, ENOTSOCK, EAGAIN (backlog full), ...
+            why = (f"its backlog stayed full for {CONNECT_TIMEOUT:g} s" if isinstance(err, BlockingIOError)
+                   else err.strerror)
+            raise NotServed(f"no gpuhookd at {path} ({why})") from None
         uid = fdpass.ucred_uid(sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, fdpass.UCRED_SIZE))
         if uid != 0:
             # /run is root's, but a --daemon-socket elsewhere could be anyone's: never hand our
             # namespaces to a process that is not root.
             raise NotServed(f"{path} is served by uid {uid}, not root; not using it")
         _send(sock, request)
+        sock.settimeout(REPLY_TIMEOUT)
         return _receive_reply(sock, path)
     finally:
         sock.close()
@@ -77,10 +91,12 @@ def _send(sock: _socket.socket, request: bytes) -> None:
     fds = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in NAMESPACES]
     try:
         fds.append(os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-        sock.settimeout(REPLY_TIMEOUT)
+        deadline = time.monotonic() + SEND_TIMEOUT  # for the whole request, not per call
+        sock.settimeout(SEND_TIMEOUT)
         view = memoryview(request)
         sent = sock.sendmsg([view], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fdpass.pack_fds(fds))])
         while sent < len(view):
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sent += sock.send(view[sent:])
     except OSError as err:
         # The daemon starts work only on a whole request, so a failed send changed nothing.

@@ -1,24 +1,23 @@
-"""gpuhookd: the GPU path, imported once, forked per request.
+"""gpuhookd's requests: one connection read, checked, answered or taken into the hook's view.
 
-The parent imports the GPU path, then only forks workers; it never touches a connection. Two
-workers are kept waiting in accept(), each prepared at the lowest priority before a request
-arrives (a worker's replacement is forked once it has answered, so preparing it takes no CPU
-from the request): its apply child, with that child's ldconfig child, is already forked
-(``gpuhook.apply.ahead``). A worker answers connections until one asks for GPUs, serves that
-one and exits:
+The parent imports the GPU path, then only forks workers (``pool``: how many, when); it never
+touches a connection. A worker answers connections until one asks for GPUs, serves that one
+and exits:
 
-1. reads one bounded request, with a deadline, and the fds the hook attached;
-2. checks the peer is root (SO_PEERCRED; the socket is also 0600 in a 0700 directory);
+1. reads one bounded request (``READ_TIMEOUT`` for the whole of it, however slowly it comes)
+   and the fds the hook attached;
+2. checks the caller (``trust``): root, pinned by a pidfd, in the daemon's user and pid
+   namespaces, with the capabilities the work uses, and the fds it sent are its own view;
 3. for gpuhook-relay's raw hook calls, does what the hook does first (argv, environment
    tripwire, state, config.json through the hook's root, the no-GPU check) and answers a
    container that asks for no GPU at once, staying ready for the next connection;
 4. declines (the hook then does the work itself) unless the hook runs the same gpuhook version
-   and shares the daemon's pid and user namespaces, since the OCI state's pid and the
-   container's ids are numbers in those;
-5. enters the hook's mount and cgroup namespaces and its root, so every path (bundle, rootfs,
-   driver root, config, log, cache) and the container's cgroup resolve exactly as they would
-   in the hook process (a runtime in a private mount namespace works unchanged);
-6. runs the same ``inject`` as the in-process hook and replies with its exit status and message.
+   and would read the daemon's own config file;
+5. loads that config in the daemon's own view (so the log file and roots are the daemon's),
+   then enters the hook's mount and cgroup namespaces and its root, so the bundle, the rootfs
+   and the container's cgroup resolve exactly as in the hook process (a runtime in a private
+   mount namespace works unchanged);
+6. runs the same start as the in-process hook and replies with its exit status and message.
 
 A worker that outlives ``request_timeout`` is killed by SIGALRM; its own children die with it
 (PDEATHSIG), and the hook, seeing no reply, refuses the container.
@@ -30,7 +29,6 @@ import gc
 import importlib
 import os
 import pkgutil
-import select
 import signal
 import socket
 import stat
@@ -40,26 +38,50 @@ import traceback
 from dataclasses import dataclass
 
 from gpuhook import __version__, hookcall, service
-from gpuhook.daemon import wire
+from gpuhook.config import resolve_config_path
+from gpuhook.daemon import trust, wire
 from gpuhook.errors import ConfigError, GpuHookError, report_failure
-from gpuhook.sys import fdpass, process
+from gpuhook.sys import fdpass
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import MutableMapping, Sequence
-    from typing import NoReturn
 
+    from gpuhook.config import Config
     from gpuhook.service import ChildAhead
 
 #: Loaded once in the parent besides every gpuhook module: NVML's binding for a cache miss and
 #: PyYAML for a config outside the flat subset. A worker may sit in another mount namespace,
 #: where this package's files need not exist, so a request must import nothing (a test checks).
 PRELOAD = ("pynvml", "yaml", "json", "pickle", "traceback")
+#: The whole request, from its first byte to its last: a slow client costs only its own connection.
 READ_TIMEOUT = 5.0
-#: Workers kept forked and waiting in accept(); more absorb a burst of container starts.
-SPARE_WORKERS = 2
-IDLE_NICE = 19
+#: Sending the reply (at most wire.REPLY_LIMIT bytes, which a socket buffer holds): a hook that
+#: does not read it costs no more than this.
+SEND_TIMEOUT = 5.0
 _FDS = 5  # the client's mnt, cgroup, pid and user namespaces, and its root
+_NO_REQUEST = "connect and close, nothing sent"
+#: How much of a decline's reason goes into the journal.
+_JOURNAL_LIMIT = 300
+
+
+@dataclass(frozen=True, slots=True)
+class OwnConfig:
+    """The daemon's own config file (``--config``, else ``$GPUHOOK_CONFIG``, else the default) and
+    whether it must exist: the only one it serves."""
+
+    path: str
+    required: bool
+
+    @classmethod
+    def resolve(cls, explicit: str | None, env: MutableMapping[str, str]) -> OwnConfig:
+        """Looked up as every front-end looks up its config."""
+        path, required = resolve_config_path(explicit, env)
+        return cls(str(path), required)
+
+    def load(self, debug: bool) -> Config:
+        """Load it and set up logging, in the daemon's own view (never the caller's)."""
+        return service.load_settings(self.path if self.required else None, debug, {})
 
 
 def preload() -> None:
@@ -77,112 +99,6 @@ def preload() -> None:
     gc.freeze()
 
 
-def serve(listener: socket.socket, *, request_timeout: float, spares: int = SPARE_WORKERS) -> NoReturn:
-    """Keep *spares* forked workers waiting in accept(); fork a new one whenever one has answered.
-
-    Forking the warm daemon takes milliseconds (its page tables are copied), so it happens
-    before a request arrives, not while a container waits. Each worker serves one connection.
-    """
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
-    # Forking and preparing spares happens while other workers serve containers: at the lowest
-    # priority (nice 19, never starved as SCHED_IDLE could be), so it does not slow them down.
-    # A prepared worker (and each child it forked ahead) takes the daemon's own priority back.
-    normal = os.getpriority(os.PRIO_PROCESS, 0)
-    os.setpriority(os.PRIO_PROCESS, 0, IDLE_NICE)
-    waiting: dict[int, int] = {}  # read end of a worker's pipe -> its pid
-    while True:
-        while len(waiting) < spares:
-            try:
-                read_fd, pid = _fork_worker(listener, request_timeout, normal)
-            except OSError as err:  # EAGAIN, ENOMEM: say so, retry soon
-                say(f"fork failed: {err}")
-                time.sleep(0.1)
-                break
-            waiting[read_fd] = pid
-        if not waiting:
-            continue
-        # A byte (or EOF, if it died) on a worker's pipe: it has answered its request; replace it.
-        for read_fd in select.select(list(waiting), [], [])[0]:
-            os.close(read_fd)
-            del waiting[read_fd]
-
-
-def _fork_worker(listener: socket.socket, request_timeout: float, priority: int) -> tuple[int, int]:
-    """Fork one worker that waits for a connection; (read end of its answered pipe, pid)."""
-    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-    daemon = os.getpid()
-    pid = os.fork()
-    if pid != 0:
-        os.close(write_fd)
-        return read_fd, pid
-    os.close(read_fd)  # pragma: no cover - the worker; exercised through real runc in tests/e2e
-    code = 0
-    try:
-        gc.disable()
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the worker waits for its own children
-        # Idle workers go with the daemon; one serving a request finishes it (PDEATHSIG off again).
-        process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != daemon:  # it died before the prctl
-            os._exit(0)
-        # Before a request waits for it: the apply child's fork. Not when a connection already
-        # waits (a burst of container starts): serve it now.
-        apply_child = None
-        if not select.select([listener], [], [], 0)[0]:
-            apply_child = service.fork_apply_ahead(close=(listener.fileno(), write_fd), priority=priority)
-        os.setpriority(os.PRIO_PROCESS, 0, priority)  # prepared: wake for a request at full priority
-        conn, request = _answer_until_gpu_request(listener, daemon, request_timeout)
-        listener.close()
-        try:
-            serve_gpu_request(conn, request, apply_child)
-        finally:
-            # Now the daemon forks a replacement: preparing it while this request ran would take
-            # CPU from it. A burst meanwhile goes to the other spare, or queues briefly.
-            os.write(write_fd, b"!")
-            os.close(write_fd)
-            if apply_child is not None:
-                apply_child.cancel()  # unless the request started it
-    except BaseException:  # noqa: BLE001 - a worker never unwinds into the daemon's loop
-        say(f"request failed:\n{traceback.format_exc()}")
-        code = 1
-    os._exit(code)
-
-
-#: Requests a worker answers without entering a hook's view (no GPU asked, pings, declines) before
-#: it retires anyway: it runs with the collector off, so whatever cycles a request leaves stay.
-ANSWERS_PER_WORKER = 256
-
-
-def _answer_until_gpu_request(listener: socket.socket, daemon: int,
-                              request_timeout: float) -> tuple[socket.socket, HookWork]:
-    """Accept connections and answer those that need no GPU work; return the first that does.
-
-    A container that asks for no GPU (gpuhook-relay leaves that check to the daemon) changes
-    nothing in the worker, so the same prepared worker waits for the next connection: most
-    container starts on a hooks.d ``always`` host cost the daemon no fork at all.
-    """
-    for _ in range(ANSWERS_PER_WORKER):
-        conn = _accept(listener)
-        process.prctl(process.PR_SET_PDEATHSIG, 0)  # the daemon's end no longer ends this request
-        request = handle(conn, request_timeout=request_timeout)
-        if request is not None:
-            return conn, request
-        conn.close()
-        process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != daemon:
-            os._exit(0)
-    os._exit(0)  # retired: the daemon sees the pipe's EOF and forks a fresh one
-
-
-def _accept(listener: socket.socket) -> socket.socket:
-    """The next connection; transient errors (EMFILE, ENOBUFS, ...) are reported and retried."""
-    while True:
-        try:
-            return listener.accept()[0]
-        except OSError as err:
-            say(f"accept failed: {err}")
-            time.sleep(0.1)
-
-
 @dataclass(frozen=True, slots=True)
 class HookWork:
     """A request that needs GPU work in the hook's view: the hook's inputs, decoded, and the fds of that view."""
@@ -194,25 +110,27 @@ class HookWork:
 Reply = tuple[bytes, int, str]
 
 
-def handle(conn: socket.socket, *, request_timeout: float) -> HookWork | None:
+def handle(conn: socket.socket, *, request_timeout: float, config: OwnConfig) -> HookWork | None:
     """Answer *conn* unless its request needs GPU work in the hook's view; then return that work.
 
     Runs in the worker, in the daemon's own view: nothing here enters a namespace or changes
     the worker, so after an answer it can take the next connection.
     """
     signal.alarm(max(1, int(request_timeout)))
-    conn.settimeout(READ_TIMEOUT)
     # The whole request is read before any reply, even one refusing it: closing a unix socket with
     # unread data resets the connection, and the peer would lose the reply.
     try:
-        kind, parts, fds = _receive(conn)
+        kind, parts, fds = _receive(conn, time.monotonic() + READ_TIMEOUT)
     except (OSError, wire.WireError) as err:  # nothing was done: the hook may do it itself
-        _answer(conn, (b"declined", 0, f"unreadable request: {err}"))
+        if str(err) == _NO_REQUEST:  # a probe (a second gpuhookd looking for a stale socket): no one to answer
+            say(f"a connection closed without a request ({_NO_REQUEST})")
+            signal.alarm(0)
+            return None
+        why = f"did not arrive whole within {READ_TIMEOUT:g} s" if isinstance(err, TimeoutError) else str(err)
+        _answer(conn, (b"declined", 0, f"unreadable request: {why}"))
         return None
     try:
-        uid = _peer_uid(conn)
-        # The socket is 0600 in a 0700 directory; this is the check that does not depend on it.
-        reply = _triage(kind, parts, fds) if uid == 0 else (b"declined", 0, f"peer uid {uid} is not root")
+        reply = _checked(conn, kind, parts, fds, config)
     except BaseException:
         _close_all(fds)
         raise
@@ -223,25 +141,44 @@ def handle(conn: socket.socket, *, request_timeout: float) -> HookWork | None:
     return None
 
 
+def _checked(conn: socket.socket, kind: bytes, parts: list[bytes], fds: list[int],
+             config: OwnConfig) -> Reply | HookWork:
+    """The caller checked (``trust``), then the request triaged."""
+    if kind == b"ping":
+        uid = _peer_uid(conn)  # a ping sends no view: root is enough to learn the version
+        return (b"pong", 0, __version__) if uid == 0 else (b"declined", 0, f"peer uid {uid} is not root")
+    try:
+        peer = trust.peer_of(conn)
+    except OSError as err:
+        return b"declined", 0, f"the peer cannot be identified: {err.strerror or err}"
+    try:
+        reason = trust.check_caller(peer, fds)
+    finally:
+        if peer.pidfd >= 0:
+            os.close(peer.pidfd)
+    return (b"declined", 0, reason) if reason else _triage(kind, parts, fds, config)
+
+
 def _answer(conn: socket.socket, reply: Reply) -> None:
-    """Send *reply*; the request is over (its alarm too)."""
+    """Send *reply* (a decline also goes into the journal, one line); the request is over (its alarm too)."""
+    if reply[0] == b"declined":
+        say(f"declined: {reply[2][:_JOURNAL_LIMIT]}")
     _send_quietly(conn, wire.encode_reply(*reply))
     signal.alarm(0)
 
 
-def _triage(kind: bytes, parts: list[bytes], fds: list[int]) -> Reply | HookWork:  # noqa: PLR0911 - one per outcome
+def _triage(kind: bytes, parts: list[bytes], fds: list[int],
+            config: OwnConfig) -> Reply | HookWork:
     """The reply to a request that needs no GPU work, or the decoded GPU work.
 
     A ``hook`` request comes from the Python hook, which read config.json and saw a GPU asked
     for. A ``relay`` request is gpuhook-relay's raw hook call (argv, environment, stdin): it is
     read as the in-process hook reads it (``hookcall``), config.json through the hook's root.
     """
-    if kind == b"ping":
-        return b"pong", 0, __version__
     try:
         if kind == b"hook":
-            version, config, debug, env, state_bytes, spec_bytes = wire.decode_hook_parts(parts)
-            args = hookcall.HookArgs("prestart", config, debug, None)
+            version, config_arg, debug, env, state_bytes, spec_bytes = wire.decode_hook_parts(parts)
+            args = hookcall.HookArgs("prestart", config_arg, debug, None)
         else:
             version, argv, env, state_bytes = wire.decode_relay_parts(parts)
             spec_bytes = None
@@ -262,30 +199,40 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int]) -> Reply | HookWork
         return b"done", 1, report_failure(err) + "\n"
     if args.action != hookcall.START or not call.asks_gpu:
         return b"done", 0, ""
-    return HookWork(fds, call)
+    # The GPU work reads settings, the log file and the driver roots from a config: the daemon's.
+    theirs = str(resolve_config_path(args.config, env)[0])
+    reason = trust.check_config(theirs, config.path) or trust.check_container(call.state.get("pid"), fds[0])
+    return (b"declined", 0, reason) if reason else HookWork(fds, call)
 
 
-def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhead | None) -> None:
-    """Enter the hook's view, run the start as the in-process hook would, answer."""
+def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhead | None,
+                      own: OwnConfig) -> None:
+    """Load the daemon's config, enter the hook's view, run the start as the in-process hook would, answer."""
     try:
+        try:
+            config = own.load(work.call.args.debug)  # here, in the daemon's view: its log file, its roots
+        except GpuHookError as err:
+            _send_quietly(conn, wire.encode_reply(b"done", 1, report_failure(err) + "\n"))
+            return
         reason = service.enter_hook_view(work.fds)
         if reason:
+            say(f"declined: {reason[:_JOURNAL_LIMIT]}")
             _send_quietly(conn, wire.encode_reply(b"declined", 0, reason))
             return
         # The apply child was forked in the daemon's view: it takes the hook's mount namespace and root.
         ahead = (service.ChildForkedAhead(apply_child, mount_ns_fd=work.fds[0], root_fd=work.fds[4])
                  if apply_child else None)
-        status, message = run_start(work.call, ahead)
+        status, message = run_start(work.call, config, ahead)
     finally:
         _close_all(work.fds)
     _send_quietly(conn, wire.encode_reply(b"done", status, message))
 
 
-def run_start(call: hookcall.HookCall, ahead: service.ChildForkedAhead | None = None) -> tuple[int, str]:
-    """What the in-process hook would do with this call: (exit status, stderr text)."""
+def run_start(call: hookcall.HookCall, config: Config,
+              ahead: service.ChildForkedAhead | None = None) -> tuple[int, str]:
+    """What the in-process hook would do with this call, under *config*: (exit status, stderr text)."""
     before = set(sys.modules)
     try:
-        config = service.load_settings(call.args.config, call.args.debug, call.env)
         service.start_hook(config, call.state, call.spec, served_by="gpuhookd", ahead=ahead)
     except GpuHookError as err:
         return 1, report_failure(err) + "\n"
@@ -299,6 +246,7 @@ def run_start(call: hookcall.HookCall, ahead: service.ChildForkedAhead | None = 
 def _send_quietly(conn: socket.socket, data: bytes) -> None:
     """Send a reply; a hook that has gone (killed by its runtime, a probe) costs only its connection."""
     try:
+        conn.settimeout(SEND_TIMEOUT)
         conn.sendall(data)
     except OSError as err:
         say(f"the hook left before its answer ({err.strerror or err})")
@@ -317,8 +265,10 @@ def _peer_uid(conn: socket.socket) -> int:
     return fdpass.ucred_uid(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, fdpass.UCRED_SIZE))
 
 
-def _receive(conn: socket.socket) -> tuple[bytes, list[bytes], list[int]]:
-    """(kind, parts, fds) of one request; raises WireError or OSError (timeout included)."""
+def _receive(conn: socket.socket, deadline: float) -> tuple[bytes, list[bytes], list[int]]:
+    """(kind, parts, fds) of one request, all of it before *deadline*; raises WireError or OSError
+    (TimeoutError once the deadline has passed: it bounds the whole request, not each recv)."""
+    _until(conn, deadline)
     data, ancillary, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(_FDS * 4), socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     for level, cmsg_type, payload in ancillary:
@@ -329,13 +279,15 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[bytes], list[int]]:
         while not newline:
             if len(line) > wire.HEADER_LIMIT:
                 raise wire.WireError("request header too long")
+            _until(conn, deadline)
             chunk = conn.recv(4096)
             if not chunk:
-                raise wire.WireError("request ended inside its header")
+                raise wire.WireError("request ended inside its header" if data else _NO_REQUEST)
             line, newline, body = (line + chunk).partition(b"\n")
         kind, sizes = wire.parse_header(line)
         chunks, size, total = [body], len(body), sum(sizes)
         while size < total:
+            _until(conn, deadline)
             chunk = conn.recv(min(1 << 20, total - size))
             if not chunk:
                 raise wire.WireError(f"request ended after {size} of {total} bytes")
@@ -350,6 +302,14 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[bytes], list[int]]:
         _close_all(fds)
         raise
     return kind, wire.split_parts(body, sizes), fds
+
+
+def _until(conn: socket.socket, deadline: float) -> None:
+    """Let the next recv wait only until *deadline*; raises TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    conn.settimeout(left)
 
 
 def _close_all(fds: Sequence[int]) -> None:

@@ -44,7 +44,9 @@ The file is written to a temporary name in the same directory and renamed
 over the old one, so a reader sees a whole old or a whole new file; two
 hooks that race to rebuild write equal results and the last rename wins.
 Anything unusable (absent, corrupt, another format, another identity, not
-owned by root) is a miss, never an error: the hook then asks NVML as it
+owned by root, not a regular file: a directory, FIFO, socket or symlink in its
+place, or unreadable) is a miss, never an error, and storing over it fails
+quietly (the start logs ``inventory_not_cached``): the hook then asks NVML as it
 would without a cache. The cache holds host paths that get bind-mounted into
 containers, so only a file and directory owned by root (or the caller) and
 writable by nobody else are trusted.
@@ -63,6 +65,7 @@ from typing import Final, Protocol
 
 from gpuhook import __version__, catalog
 from gpuhook.config import Config
+from gpuhook.errors import DiscoveryError
 from gpuhook.discovery.host import BINARY_DIRS, LIBRARY_DIRS, PROC_DRIVER_FILES
 from gpuhook.discovery.hostroot import HostRoot
 from gpuhook.discovery.live import read_live
@@ -223,10 +226,23 @@ def load_cache(path: Path) -> bytes | Outcome:
         return Outcome.UNTRUSTED
     finally:
         os.close(dir_fd)
-    with os.fdopen(fd, "rb") as handle:
+    try:
+        return _read_trusted(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_trusted(fd: int) -> bytes | Outcome:
+    """The bytes of the open cache file *fd*, if it is a trusted regular file of sensible size."""
+    try:
+        # fstat before reading: fdopen refuses a directory with IsADirectoryError, and a directory,
+        # FIFO or device in the file's place is a miss like any other unusable file.
         if not _is_trusted(os.fstat(fd), directory=False):
             return Outcome.UNTRUSTED
-        data = handle.read(CACHE_LIMIT + 1)
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            data = handle.read(CACHE_LIMIT + 1)
+    except OSError:
+        return Outcome.UNTRUSTED
     return Outcome.CORRUPT if len(data) > CACHE_LIMIT else data
 
 
@@ -285,17 +301,53 @@ class CachedDiscoverer:
             if isinstance(found, Inventory):
                 return CacheLookup(inventory=found, outcome=Outcome.HIT)
             outcome = found
-        inventory = self.inner.discover()
-        # Read the identity again: if the driver changed while NVML answered, the inventory
-        # may belong to either identity, so it serves this start but is not stored.
-        if fingerprint(read_identity(self.config)) != key:
+        inventory, belongs = self._consistent(key)
+        if isinstance(belongs, OSError):
             return CacheLookup(inventory=inventory, outcome=outcome,
-                               not_stored="the driver changed during discovery")
+                               not_stored=f"cannot read the driver's identity again: {belongs}")
+        key = belongs
         try:
             store_cache(path, encode_cache(key, inventory))
         except OSError as err:
             return CacheLookup(inventory=inventory, outcome=outcome, not_stored=f"cannot write {path}: {err}")
         return CacheLookup(inventory=inventory, outcome=outcome)
+
+    def _consistent(self, key: str) -> tuple[Inventory, str | OSError]:
+        """NVML's inventory and the identity key it belongs to, asked at most twice; raises DiscoveryError.
+
+        The identity is read again after NVML answers: if it changed meanwhile, or NVML's driver
+        version is not the kernel module's (an in-place driver upgrade), the inventory may be of
+        either driver and lack its libraries, so it is neither stored nor used: NVML is asked once
+        more, and a second disagreement refuses the start. Instead of the key comes the error that
+        kept the identity from being read again (the inventory then serves, unstored).
+        """
+        problem = ""
+        for _ in range(2):
+            inventory = self.inner.discover()
+            try:
+                after = read_identity(self.config)
+            except OSError as err:
+                return inventory, err
+            module = _module_version(after)
+            after_key = fingerprint(after)
+            if after_key == key and module in (None, inventory.driver_version):
+                return inventory, key
+            problem = ("the driver changed during discovery" if after_key != key
+                       else "NVML's driver version is not the kernel module's")
+            problem += f" (NVML reports driver {inventory.driver_version}, the kernel module is {module or 'unknown'})"
+            key = after_key
+        raise DiscoveryError(f"{problem}, twice in a row: an in-place driver upgrade is under way, or the kernel "
+                             "module was not reloaded after one; retry once the upgrade is done (reload the "
+                             "nvidia module or reboot if it was)")
+
+
+def _module_version(identity: DriverIdentity) -> str | None:
+    """The kernel module's version in ``/proc/driver/nvidia/version`` (None: no such file, or no version in it)."""
+    text = dict(identity.proc_files).get("proc/driver/nvidia/version")
+    first = (text or "").partition("\n")[0]
+    # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..." (open modules: "... for x86_64  ...")
+    return next((word for word in first.split() if word[:1].isdigit() and word.count(".") >= 1
+                 and word.replace(".", "").isdigit()), None)
 
 
 def _proc_files() -> tuple[str, ...]:

@@ -180,6 +180,8 @@ def make_plan(request: GpuRequest, inventory: Inventory, live: LiveFacts, target
     warnings = check_health(gpus, live, target.unhealthy_gpus)
     devices = tuple(d for d in device_plan.devices if (d.major, d.minor) not in target.runtime_devices)
     libraries = _libraries(inventory.libraries, caps, target.libs_dir, skipped)
+    if gpus or device_plan.migs:
+        _check_required_libraries(inventory, caps, libraries, target.libs_dir)
     libraries32 = (_libraries(inventory.libraries32, caps, target.libs32_dir, skipped, bits="32-bit ")
                    if Capability.COMPAT32 in caps else ())
     mounts = (libraries + libraries32 + _binaries(inventory, caps, skipped) + _firmware(inventory, caps)
@@ -252,6 +254,22 @@ def _libraries(
             skipped.append(Skipped(what=f"{bits}{prefix}", reason="not in the driver's libraries"))
         out += [BindMount(source=str(f.host_path), target=container_path(libs_dir, f.name)) for f in found]
     return tuple(out)
+
+
+def _check_required_libraries(inventory: Inventory, caps: frozenset[Capability], libraries: tuple[BindMount, ...],
+                              libs_dir: str) -> None:
+    """Refuse GPU nodes without the libraries their capabilities cannot work without (catalog.REQUIRED_LIBRARIES)."""
+    names = {m.target.rpartition("/")[2] for m in libraries}
+    missing = sorted(p for p in catalog.required_libraries(caps)
+                     if not any(n.startswith(p + ".") for n in names))
+    if missing:
+        wanted = ", ".join(f"{p}.{inventory.driver_version}" for p in missing)
+        raise DiscoveryError(
+            f"the driver's libraries lack {wanted}, which the capabilities {','.join(sorted(caps))} need "
+            f"(NVML reports driver {inventory.driver_version}; a container would get its GPUs without them "
+            f"in {libs_dir}): if the driver is being upgraded, retry once the upgrade is done; else reinstall "
+            "the driver and run ldconfig"
+        )
 
 
 def _binaries(inventory: Inventory, caps: frozenset[Capability], skipped: list[Skipped]) -> tuple[BindMount, ...]:

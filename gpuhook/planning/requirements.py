@@ -17,15 +17,23 @@ class RequirementError(RequestError):
 
 
 def check_requirements(requirements: tuple[Requirement, ...], inventory: Inventory, gpus: tuple[Gpu, ...]) -> None:
-    """Raise RequirementError for the first requirement a selected GPU (or the host) does not meet."""
-    scopes: tuple[Gpu | None, ...] = gpus or (None,)
+    """Raise RequirementError for the first requirement a selected GPU (or the host) does not meet.
+
+    A requirement depends on a GPU only through its arch and brand, so each is checked once per
+    distinct (arch, brand) among the selected GPUs, not once per GPU (the first such GPU is named).
+    """
+    scopes: dict[tuple[str | None, str | None], Gpu] = {}
+    for gpu in gpus:
+        scopes.setdefault((gpu.arch or None, gpu.brand or None), gpu)
+    host = Facts(cuda=inventory.cuda_version, driver=inventory.driver_version)
+    facts: list[tuple[Facts, Gpu | None]] = [
+        (Facts(cuda=host.cuda, driver=host.driver, arch=arch, brand=brand), first)
+        for (arch, brand), first in scopes.items()
+    ] or [(host, None)]
     for requirement in requirements:
-        for gpu in scopes:
-            facts = Facts(cuda=inventory.cuda_version, driver=inventory.driver_version)
-            if gpu is not None:
-                facts = Facts(cuda=facts.cuda, driver=facts.driver, arch=gpu.arch or None, brand=gpu.brand or None)
-            if not satisfied(requirement, facts):
-                raise RequirementError(_explain(requirement, inventory, gpu))
+        for fact, named in facts:
+            if not satisfied(requirement, fact):
+                raise RequirementError(_explain(requirement, inventory, named))
 
 
 def _explain(requirement: Requirement, inventory: Inventory, gpu: Gpu | None) -> str:

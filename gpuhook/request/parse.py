@@ -28,7 +28,7 @@ from gpuhook.request import quick
 from gpuhook.request.grammar import decode_channels, decode_devices, decode_mig_control
 from gpuhook.request.model import ALL_CAPABILITIES, DEFAULT_CAPABILITIES, Capability, GpuRequest, RequestSource
 from gpuhook.request.quick import VISIBLE_DEVICES, is_legacy_image
-from gpuhook.request.requirements import Requirement, parse_requirement
+from gpuhook.request.requirements import MAX_REQUIREMENTS, Requirement, parse_requirement
 
 DRIVER_CAPABILITIES: Final = "NVIDIA_DRIVER_CAPABILITIES"
 DISABLE_REQUIRE: Final = "NVIDIA_DISABLE_REQUIRE"
@@ -165,11 +165,15 @@ def parse_requirements(env: Mapping[str, str], *, legacy: bool) -> tuple[Require
     """The NVIDIA_REQUIRE_* expressions (sorted by name), plus the legacy CUDA_VERSION rule."""
     if env.get(DISABLE_REQUIRE, "") in _TRUE:
         return ()
-    found = [
-        parse_requirement(name, value)
-        for name, value in sorted(env.items())
-        if name.startswith(REQUIRE_PREFIX) and name != "NVIDIA_REQUIRE_JETPACK" and value.strip(_BLANKS)
-    ]
+    named = sorted((name, value) for name, value in env.items()
+                   if name.startswith(REQUIRE_PREFIX) and name != "NVIDIA_REQUIRE_JETPACK" and value.strip(_BLANKS))
+    if len(named) > MAX_REQUIREMENTS:  # counted before any is parsed: parsing is the cost bounded
+        raise RequestError(
+            f"the image sets {len(named)} {REQUIRE_PREFIX}* variables ({named[0][0]}, ..., {named[-1][0]}); the "
+            f"limit is {MAX_REQUIREMENTS}: set only the ones the image needs (factors joined by ',' in one "
+            "variable must all hold), or NVIDIA_DISABLE_REQUIRE=true to skip the image's requirements"
+        )
+    found = [parse_requirement(name, value) for name, value in named]
     if legacy:
         match = re.fullmatch(r"([0-9]{1,4})\.([0-9]{1,4})(?:\.[0-9]{1,6})?", env["CUDA_VERSION"].strip(_BLANKS))
         if match is None:

@@ -16,6 +16,11 @@ BLANKS = " \t\n\r"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 CDI_KIND = "nvidia.com/gpu"
 
+#: Byte strings without which a config.json certainly asks for no GPU: every name asks_for_gpu and
+#: request.parse look for contains one of them, and JSON's \uXXXX escape is the only way to spell
+#: one of their letters, digits, '_', '-' or '.' otherwise (the cap-exceeding spec's rule, hookcall).
+GPU_MARKERS = (b"\\u", b"NVIDIA_", b"CUDA_VERSION", b"nvidia-container-devices", CDI_ANNOTATION_PREFIX[:-1].encode())
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -25,7 +25,11 @@ _FACTOR: Final = re.compile(r"([A-Za-z]+)(>=|<=|!=|=|<|>)([0-9A-Za-z.]+)")
 _VERSION: Final = re.compile(r"[0-9]{1,6}(?:\.[0-9]{1,6}){0,3}")
 _BRAND: Final = re.compile(r"[A-Za-z0-9]{1,32}")
 _NAMES: Final = ("cuda", "driver", "arch", "brand")
+#: The longest expression: NVIDIA's CUDA 12 images set ~1.6 KiB (a cuda>= and ~40 brand/driver terms).
 MAX_LENGTH: Final = 4096
+#: The most NVIDIA_REQUIRE_* variables (images set one to three): with MAX_LENGTH, this bounds what an
+#: image can make every start of it evaluate (1800 long ones once took 11 s a start).
+MAX_REQUIREMENTS: Final = 64
 
 #: Minimum Linux driver per CUDA release (CUDA Toolkit release notes, "CUDA Toolkit and
 #: Corresponding Driver Versions", GA releases), for the "upgrade to" hint.
@@ -75,7 +79,8 @@ class Facts:
 def parse_requirement(variable: str, text: str) -> Requirement:
     """Parse one expression; raises RequestError naming the variable and the bad part."""
     if len(text) > MAX_LENGTH:
-        raise RequestError(f"{variable} is {len(text)} characters long; the limit is {MAX_LENGTH}")
+        raise RequestError(f"{variable} is {len(text)} characters long; the limit is {MAX_LENGTH}: shorten it "
+                           "(or set NVIDIA_DISABLE_REQUIRE=true to skip the image's requirements)")
     terms = []
     for term in text.split():
         factors = []

@@ -52,9 +52,10 @@ SERVED_BY = {"hook": "hook", "gpuhookd": "gpuhookd", "relay": "gpuhookd"}
 
 
 @pytest.fixture(scope="session")
-def gpuhookd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gpuhookd]:
-    """One daemon for the suite's gpuhookd pass; no request may crash a worker."""
-    daemon = Gpuhookd(sys.executable, tmp_path_factory.mktemp("gpuhookd") / "run")
+def gpuhookd(tmp_path_factory: pytest.TempPathFactory, host: FakeHost) -> Iterator[Gpuhookd]:
+    """One daemon for the suite's gpuhookd pass, serving the simulated host's config; no request may crash
+    a worker. (A case with a config of its own gets a daemon of its own: Rig.config.)"""
+    daemon = Gpuhookd(sys.executable, tmp_path_factory.mktemp("gpuhookd") / "run", config=host.config_path)
     yield daemon
     journal = daemon.stop()
     assert "request failed" not in journal, journal
@@ -72,6 +73,7 @@ def rig(request: pytest.FixtureRequest, tmp_path: Path, host: FakeHost, rootfs_s
     offset = log.stat().st_size if log.exists() else 0
     yield rig
     rig.kill_leftovers()
+    rig.stop_daemons()
     # Whatever the hooks logged came from the pass's own mode: gpuhookd never declined and left the
     # work to the (Python) hook, and the hook pass never reached a daemon.
     lines = log.read_bytes()[offset:].splitlines() if log.exists() else []

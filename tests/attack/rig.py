@@ -25,6 +25,7 @@ import shutil
 import signal
 import stat
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ import yaml
 
 from integration.engines import RunResult, default_spec, host_mounts, run_container, unique_id, write_bundle
 from integration.fakehost import FakeHost
+from integration.gpuhookd import Gpuhookd
 from integration.rootfs import copy_rootfs
 
 HERE: Final = Path(__file__).resolve().parent
@@ -267,6 +269,8 @@ class Rig:
         self.rootfses: list[Path] = []
         self._bundle_ids = itertools.count()
         self._config_ids = itertools.count()
+        #: gpuhookd serves only its own config: a case's own config gets a daemon of its own (Rig.config)
+        self._daemons: dict[Path, Gpuhookd] = {}
         # Host markers: files and dirs outside every rootfs that an escape would touch.
         self.outside = tmp / "host"
         self.secret = self.outside / "secret"
@@ -292,7 +296,23 @@ class Rig:
         data.update(settings)
         path = self.tmp / f"config{next(self._config_ids)}.yaml"
         path.write_text(yaml.safe_dump({k: os.fspath(v) if isinstance(v, Path) else v for k, v in data.items()}))
+        if self.via.socket != "none":
+            # Its socket and journal live outside the test's tmp tree, which the oracles watch.
+            self._daemons[path] = Gpuhookd(PYTHON, Path(tempfile.mkdtemp(prefix="gpuhookd-")) / "run", config=path)
         return path
+
+    def _via(self, config: Path) -> Via:
+        """How a hook with *config* reaches gpuhook: through that config's own daemon, if it has one."""
+        daemon = self._daemons.get(config)
+        return self.via if daemon is None else Via(daemon.socket, self.via.relay)
+
+    def stop_daemons(self) -> None:
+        """Stop the daemons of this case's own configs; none of their requests may have crashed a worker."""
+        for daemon in self._daemons.values():
+            journal = daemon.stop()
+            shutil.rmtree(Path(daemon.socket).parent.parent, ignore_errors=True)
+            assert "request failed" not in journal, journal
+        self._daemons.clear()
 
     # -- bundles -------------------------------------------------------------------------------------
 
@@ -332,7 +352,7 @@ class Rig:
             hooks={"prestart": [
                 *([{"path": "/bin/sh", "args": ["sh", "-ec", pre_hook], "env": [*HOOK_ENV, f"R={rootfs}"]}]
                   if pre_hook else []),
-                hook or hook_entry(config or self.base_config, via=self.via),
+                hook or hook_entry(config or self.base_config, via=self._via(config or self.base_config)),
             ]},
             capabilities=caps, readonly=readonly,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -31,7 +32,10 @@ from gpuhook.discovery.cache import (
     store_cache,
 )
 from gpuhook.discovery.host import HostDiscoverer
-from gpuhook.inventory import Inventory, MigDevice, MigInstance
+from gpuhook.errors import DiscoveryError
+from gpuhook.inventory import Inventory, LiveFacts, MigDevice, MigInstance
+from gpuhook.planning.planner import Target, make_plan
+from gpuhook.request.model import Capability, GpuIndex, GpuRequest
 from integration.fakehost import FakeHost, FakeMigDevice, create_host
 from integration.fakehost import mig as fake_mig
 from integration.fakehost.models import render_topology
@@ -62,9 +66,17 @@ class CountingDiscoverer:
     asked: int = 0
 
     def discover(self) -> Inventory:
-        """Ask the real discoverer (NVML and the driver's files)."""
+        """Ask the real discoverer (NVML and the driver's files), with the driver version this host's NVML reports.
+
+        The NVML loaded in this process reads the first simulated host's topology file, so a
+        test that changes what its own host's NVML reports (the topology's ``driver`` line)
+        would not be seen: the version is taken from that host's topology file instead.
+        """
         self.asked += 1
-        return self.inner.discover()
+        found = self.inner.discover()
+        topology = (self.inner.config.driver_root / "etc/mock-nvml/topology").read_text()
+        version = next(line.split()[1] for line in topology.splitlines() if line.startswith("driver "))
+        return found if version == found.driver_version else dataclasses.replace(found, driver_version=version)
 
 
 @pytest.fixture(scope="module")
@@ -222,10 +234,12 @@ def _touch_ld_cache(host: FakeHost) -> None:
 
 
 def _new_driver_version(host: FakeHost) -> None:
-    """The kernel module was reloaded with another version."""
+    """The kernel module was reloaded with another version (which NVML then reports too)."""
     version = host.root / "proc/driver/nvidia/version"
     version.chmod(0o644)
     version.write_text(version.read_text().replace(host.driver_version, "550.90.07"))
+    topology = host.topology_path
+    topology.write_text(topology.read_text().replace(f"driver {host.driver_version}\n", "driver 550.90.07\n"))
 
 
 def _restart_persistenced(host: FakeHost) -> None:
@@ -537,3 +551,122 @@ class TestInfoRefresh:
         config = self._write_config(tmp_path, host, "null")
         assert main(["--config", str(config), "info", "--refresh"]) == 1
         assert "inventory cache is disabled" in capsys.readouterr().err
+
+
+def _make_unusable(path: Path, kind: str, tmp_path: Path) -> None:
+    """Put a *kind* of unusable entry at the cache file's *path*."""
+    path.unlink(missing_ok=True)
+    if kind == "directory":
+        path.mkdir()
+        (path / "inside").write_text("{}")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as sock:
+            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                sock.bind(f"/proc/self/fd/{dir_fd}/{path.name}")
+            finally:
+                os.close(dir_fd)
+    elif kind == "symlink":
+        (tmp_path / "elsewhere.json").write_text("{}")
+        path.symlink_to(tmp_path / "elsewhere.json")
+    else:  # unreadable: a file the reader cannot open (root reads anything: make it a device node instead)
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+
+
+UNUSABLE = ["directory", "fifo", "socket", "symlink", "device"]
+
+
+class TestUnusableCacheFile:
+    """Whatever sits at the cache path, a lookup is a miss with the inventory, never an error."""
+
+    @pytest.mark.parametrize("kind", UNUSABLE)
+    def test_a_miss_and_storing_over_it_fails_quietly_or_heals(self, cached: Callable[..., CachedDiscoverer],
+                                                               tmp_path: Path, kind: str) -> None:
+        """An unusable entry is UNTRUSTED; a directory cannot be replaced (not_stored says why), the rest are."""
+        config = cached().config
+        assert config.cache_dir is not None
+        config.cache_dir.mkdir(mode=0o755)
+        path = cache_path(config.cache_dir, config)
+        _make_unusable(path, kind, tmp_path)
+        assert load_cache(path) is Outcome.UNTRUSTED
+        found = cached().lookup()
+        assert found.outcome is Outcome.UNTRUSTED and found.inventory.gpus
+        if kind == "directory":
+            assert found.not_stored is not None and "cannot write" in found.not_stored
+            assert path.is_dir() and cached().lookup().outcome is Outcome.UNTRUSTED
+        else:
+            assert found.not_stored is None and cached().lookup().outcome is Outcome.HIT
+
+    def test_info_with_a_directory_at_the_cache_path(self, host: FakeHost, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+        """`gpuhook info` answers from NVML; `info --refresh` refuses with one line that says why."""
+        cache_dir = tmp_path / "cache"
+        config_file = TestInfoRefresh._write_config(TestInfoRefresh(), tmp_path, host, str(cache_dir))
+        config = Config(driver_root=host.root, dev_root=host.root, proc_root=host.root, log_file=None,
+                        cache_dir=cache_dir)
+        cache_dir.mkdir(mode=0o755)
+        cache_path(cache_dir, config).mkdir()
+        assert main(["--config", str(config_file), "info"]) == 0
+        assert host.gpus[0].uuid in capsys.readouterr().out
+        assert main(["--config", str(config_file), "info", "--refresh"]) == 1
+        err = capsys.readouterr().err
+        assert "the inventory cache was not rebuilt: cannot write" in err and "Traceback" not in err
+
+
+def _nvml_reports(host: FakeHost, version: str) -> None:
+    """Make the mock NVML report driver *version* (the driver files stay at the host's own)."""
+    topology = host.topology_path
+    topology.write_text(topology.read_text().replace(f"driver {host.driver_version}\n", f"driver {version}\n"))
+
+
+class TestDriverUpgradeDuringDiscovery:
+    """An inventory whose NVML and driver files disagree is retried once, then refused; never stored."""
+
+    @pytest.fixture
+    def target(self, tmp_path: Path) -> FakeHost:
+        """A fresh 2-GPU host this test may change."""
+        return create_host(tmp_path / "host", gpus=2)
+
+    def test_a_persistent_mismatch_is_refused_naming_both_versions(self, target: FakeHost,
+                                                                    cached: Callable[..., CachedDiscoverer],
+                                                                    nvml: CountingDiscoverer) -> None:
+        """NVML says 550.90.07, the kernel module 550.54.15: asked twice, refused, nothing stored."""
+        _nvml_reports(target, "550.90.07")
+        version = re.escape(target.driver_version)
+        with pytest.raises(DiscoveryError, match=rf"NVML reports driver 550\.90\.07, the kernel module is {version}"
+                                                 r".*retry once the upgrade is done"):
+            cached().lookup()
+        config = cached().config
+        assert config.cache_dir is not None
+        assert nvml.asked == 2 and not cache_path(config.cache_dir, config).exists()
+
+    def test_a_change_during_discovery_is_retried_and_the_retry_stored(self, target: FakeHost,
+                                                                        cached: Callable[..., CachedDiscoverer],
+                                                                        nvml: CountingDiscoverer) -> None:
+        """The identity changes while NVML answers once: the second answer is used and stored, a hit next."""
+        inner = nvml.discover
+
+        def racing() -> Inventory:
+            if nvml.asked == 0:
+                _touch_ld_cache(target)  # ldconfig of an upgrade ran meanwhile
+            return inner()
+
+        found = dataclasses.replace(cached(), inner=type("Racing", (), {"discover": staticmethod(racing)})()).lookup()
+        assert found.not_stored is None and nvml.asked == 2
+        assert cached().lookup().outcome is Outcome.HIT and nvml.asked == 2
+
+    def test_a_start_on_a_mismatched_host_is_refused_not_started_without_libraries(
+            self, target: FakeHost, tmp_path: Path) -> None:
+        """Even with the cache disabled, the planner refuses GPU nodes without libcuda/libnvidia-ml."""
+        _nvml_reports(target, "550.90.07")
+        config = _config(target.root, None)
+        inventory = CachedDiscoverer(config=config, inner=CountingDiscoverer(HostDiscoverer(config))).lookup().inventory
+        assert inventory.driver_version == "550.90.07"
+        inventory = dataclasses.replace(inventory, libraries=tuple(  # the files of the version NVML does not report
+            f for f in inventory.libraries if f.name.endswith(".so.550.90.07")))
+        request = GpuRequest(all_devices=False, devices=(GpuIndex(0),), raw="0",
+                             capabilities=frozenset({Capability.COMPUTE, Capability.UTILITY}))
+        with pytest.raises(DiscoveryError, match=r"lack libcuda\.so\.550\.90\.07, libnvidia-ml\.so\.550\.90\.07"):
+            make_plan(request, inventory, LiveFacts(), Target(libs_dir="/usr/lib/x86_64-linux-gnu"))

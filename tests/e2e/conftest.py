@@ -88,9 +88,9 @@ def _need_root() -> None:
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Gpuhookd]:
-    """A running gpuhookd; its journal must show no failed request."""
-    running = Gpuhookd(sys.executable, tmp_path / "gpuhookd")
+def daemon(tmp_path: Path, host: FakeHost) -> Iterator[Gpuhookd]:
+    """A running gpuhookd serving the simulated host's config; its journal must show no failed request."""
+    running = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=host.config_path)
     try:
         yield running
     finally:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,18 @@ from integration.gpuhookd import Gpuhookd
 from ..unit.test_fast_path import ALLOWED as NO_GPU_PATH
 from .conftest import MakeContainer, hook_entry, relay_entry
 from .test_hook import PROBE, TWO_GPUS, lines
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, host: FakeHost) -> Iterator[Gpuhookd]:
+    """A running gpuhookd serving the simulated host's config; its journal must show no failed request."""
+    running = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=host.config_path)
+    try:
+        yield running
+    finally:
+        journal = running.stop()
+    assert "request failed" not in journal, journal
+
 
 def open_up(path: Path) -> None:
     """Let uid 65534 reach *path* (pytest's directories are 0700)."""
@@ -283,7 +296,8 @@ def test_daemon_in_its_own_mount_and_cgroup_namespaces(make_container: MakeConta
     with journal.open("wb") as out:
         pod = subprocess.Popen(["unshare", "--mount", "--cgroup", "--propagation", "private", "--",
                                 sys.executable, "-I", "-m", "gpuhook", "daemon", "--socket", path],
-                               stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/")
+                               stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/",
+                               env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "GPUHOOK_CONFIG": str(host.config_path)})
     try:
         deadline = time.monotonic() + 20
         while not Path(path).exists():
@@ -320,5 +334,5 @@ def test_hook_side_of_a_served_request_imports_only_the_client(make_container: M
     assert result.returncode == 0, result.stderr
     assert "/dev/nvidia1 ENXIO" in result.stdout
     client_side = {"gpuhook.daemon", "gpuhook.daemon.client", "gpuhook.daemon.wire", "gpuhook.sys",
-                   "gpuhook.sys.fdpass", "_socket"}
+                   "gpuhook.sys.fdpass", "_socket", "struct", "_struct"}
     assert set(ast.literal_eval(report.read_text())) <= NO_GPU_PATH | client_side

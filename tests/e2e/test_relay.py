@@ -8,6 +8,7 @@ tests/e2e/test_daemon.py's runc/crun/cgroup v2 runs beside the Python hook).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,36 @@ def test_without_a_daemon_the_relay_runs_the_python_hook(make_container: MakeCon
         f"no gpuhookd at {absent} (No such file or directory)")
     no_gpu = make_container("echo ran", NO_GPU, hook=hook).run()
     assert (no_gpu.returncode, no_gpu.stdout.strip()) == (0, "ran"), no_gpu.stderr
+
+
+def test_the_fallback_keeps_what_the_hook_needs(make_container: MakeContainer, host: FakeHost, relay: Path,
+                                                tmp_path: Path) -> None:
+    """No daemon, the config named only by $GPUHOOK_CONFIG and a file-less LANG: they reach the Python
+    hook through the relay's allow-list, and the GPU container starts as configured."""
+    absent = str(tmp_path / "absent" / "gpuhookd.sock")
+    hook = {"path": str(relay), "args": [str(relay), "--daemon-socket", absent, "prestart"],
+            "env": [*HOOK_ENV, f"GPUHOOK_CONFIG={host.config_path}", "LANG=C.UTF-8", "HOME=/root"]}
+    offset = log_size(host)
+    result = make_container(PROBE, TWO_GPUS, hook=hook).run()
+    assert result.returncode == 0, result.stderr
+    assert "nvidia-smi OK" in lines(result.stdout)
+    assert {e["served_by"] for e in events_after(host.root / "gpuhook.log", offset)} == {"hook"}
+
+
+def test_a_relay_copied_under_its_commands_name_refuses_once(make_container: MakeContainer, host: FakeHost,
+                                                             relay: Path, tmp_path: Path) -> None:
+    """A copy installed as bin/gpuhook stands for itself: with no gpuhookd, runc gets one clear
+    refusal naming the fix (it used to exec itself until runc was killed), and the container never runs."""
+    copy = tmp_path / "prefix" / "bin" / "gpuhook"
+    copy.parent.mkdir(parents=True)
+    shutil.copy2(relay, copy)
+    absent = str(tmp_path / "absent" / "gpuhookd.sock")
+    result = make_container("echo ran", TWO_GPUS,
+                            hook=relay_entry(copy, host.config_path, "--daemon-socket", absent, "prestart")).run()
+    assert (result.returncode != 0, result.timed_out, "ran" in result.stdout) == (True, False, False), result.stderr
+    assert (f"gpuhook: gpuhook-relay {copy} would fall back to {copy} for calls gpuhookd does not serve, which is "
+            f"this relay itself; put the Python hook `gpuhook` there, or make {copy} a symlink to the installed "
+            "relay instead of a copy") in result.stderr
 
 
 def run_relay(relay: Path, *argv: str, state: str = "", cwd: str = "/",

@@ -69,7 +69,7 @@ def docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, relay: Path
     base = tmp_path_factory.mktemp("docker")
     calls = base / "hook-calls"
     nvidia_relay = relay_for(relay, "nvidia-container-runtime-hook")
-    gpuhookd = Gpuhookd(sys.executable, base / "gpuhookd")
+    gpuhookd = Gpuhookd(sys.executable, base / "gpuhookd", config=host.config_path)
     try:
         write_hook_wrapper(base / "bin", host.config_path, calls, nvidia_relay, daemon_socket=gpuhookd.socket)
         daemon = start_dockerd(base / "dockerd", path_dirs=[base / "bin"],

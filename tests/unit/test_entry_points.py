@@ -75,7 +75,8 @@ def root_entry_points(bundle: Path, config: Path) -> list[tuple[str, list[str], 
     ]
 
 
-@pytest.mark.parametrize("variable", ["LD_AUDIT", "LD_PRELOAD", "PYTHONPATH", "LD_LIBRARY_PATH"])
+@pytest.mark.parametrize("variable", ["LD_AUDIT", "LD_PRELOAD", "PYTHONPATH", "LD_LIBRARY_PATH", "GCONV_PATH",
+                                      "GLIBC_TUNABLES"])
 def test_tripwire_refuses_in_every_root_entry_point(bundle: Path, host: FakeHost, variable: str) -> None:
     """A loader or interpreter variable in the environment: every root entry point refuses, naming it."""
     for script, argv, stdin in root_entry_points(bundle, host.config_path):
@@ -90,13 +91,25 @@ def test_tripwire_refuses_in_every_root_entry_point(bundle: Path, host: FakeHost
     assert "linux" not in json.loads((bundle / "config.json").read_text())  # spec-edit/runtime changed nothing
 
 
+def test_containerds_own_library_path_is_not_the_containers() -> None:
+    """containerd adds /opt/containerd/lib to every shim's LD_LIBRARY_PATH: gpuhook-runtime lets exactly that pass."""
+    result = run("gpuhook-runtime", "create", "--bundle", "/nonexistent", "c1",
+                 env={"LD_LIBRARY_PATH": "/opt/containerd/lib:"})
+    assert result.returncode == 1
+    assert result.stderr.strip() == "gpuhook: cannot open /nonexistent/config.json: No such file or directory"
+    planted = run("gpuhook-runtime", "create", "--bundle", "/nonexistent", "c1",
+                  env={"LD_LIBRARY_PATH": "/opt/containerd/lib:/tmp/x"})
+    assert "the hook's environment sets LD_LIBRARY_PATH" in planted.stderr
+
+
 def test_tripwire_in_gpuhookd_relay_requests() -> None:
     """gpuhookd reads a relayed call as the hook does: the same refusal, before anything is read."""
     env = b"\0".join([b"PATH=/bin", b"LD_AUDIT=/x.so"])
     parts = [__version__.encode(), b"gpuhook\0prestart", env, b"{}"]
     fds = [os.open("/", os.O_PATH) for _ in range(5)]
     try:
-        verdict, status, message = server._triage(b"relay", parts, fds)
+        own = server.OwnConfig("/etc/gpuhook/config.yaml", False)
+        verdict, status, message = server._triage(b"relay", parts, fds, own)
     finally:
         for fd in fds:
             os.close(fd)

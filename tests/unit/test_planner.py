@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -323,3 +324,31 @@ def test_mig_without_the_layout_read_is_a_programming_error() -> None:
 def test_live_needs(request_: GpuRequest, target: Target | None, needs: LiveNeeds) -> None:
     """A start reads only what its plan looks at: MIG facts for MIG requests and all, Xids when health counts."""
     assert live_needs(request_, target) == needs
+
+
+@pytest.mark.parametrize(
+    ("caps", "missing"),
+    [
+        pytest.param({Capability.COMPUTE}, "libcuda.so", id="compute-without-libcuda"),
+        pytest.param({Capability.UTILITY}, "libnvidia-ml.so", id="utility-without-nvml"),
+        pytest.param({Capability.VIDEO}, "libcuda.so", id="video-implies-compute"),
+    ],
+)
+def test_gpu_nodes_are_never_planned_without_their_required_libraries(caps: set[Capability], missing: str) -> None:
+    """An inventory whose libraries do not match the driver (an upgrade mid-discovery) refuses, naming the library."""
+    inv = inventory()
+    without = replace(inv, libraries=tuple(f for f in inv.libraries if not f.name.startswith(missing + ".")))
+    with pytest.raises(DiscoveryError, match=rf"lack {missing}\.{VER}.*NVML reports driver {VER}.*retry once"):
+        make_plan(req(GpuIndex(0), caps=caps), without, LIVE, TARGET)
+    no_libraries = replace(inv, libraries=())
+    with pytest.raises(DiscoveryError, match=rf"lack .*{missing}\.{VER}"):
+        make_plan(req(GpuIndex(0), caps=caps), no_libraries, LIVE, TARGET)
+
+
+def test_required_libraries_only_bind_a_start_with_gpus() -> None:
+    """Graphics-only libraries stay optional (skipped), and a start with no GPU selected needs none."""
+    inv = inventory()
+    no_libraries = replace(inv, libraries=())
+    plan = make_plan(req(GpuIndex(0), caps={Capability.GRAPHICS}), no_libraries, LIVE, TARGET)
+    assert plan.devices and "libGLX_nvidia.so" in {s.what for s in plan.skipped}
+    assert make_plan(req(caps={Capability.COMPUTE}), no_libraries, LIVE, TARGET).devices[0].path == "/dev/nvidiactl"

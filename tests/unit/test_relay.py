@@ -2,7 +2,9 @@
 
 Real processes throughout: the relay is built with relay/build.sh, a fake gpuhookd speaks the wire
 on a unix socket in tmp_path, and the fallback beside the relay is a script recording what
-it was given (argv, environment, stdin, what fd 0 is, its signal mask) and exiting 7.
+it was given (argv, environment, stdin, what fd 0 is, its signal mask) and exiting 7. Its
+environment is the relay's allow-list, so it finds where to record in the file ``record-to``
+beside it, which run_relay writes.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 import gpuhook
-from gpuhook.hookcall import check_environment
-from gpuhook.daemon import wire
+from gpuhook.hookcall import UNSAFE_NAMES, check_environment
+from gpuhook.daemon import client, wire
 from gpuhook.sys import fdpass
 from gpuhook.errors import ConfigError
 
@@ -36,7 +38,7 @@ FALLBACK_STATUS = 7
 # Python, not sh: dash clears its signal mask at startup, and the mask it was given is checked.
 FALLBACK = f"""#!{sys.executable} -I
 import os, sys
-out = os.environ["RELAY_TEST_OUT"]
+out = open(os.path.join(os.path.dirname(sys.argv[0]), "record-to")).read()
 for name, data in (("argv", open("/proc/self/cmdline", "rb").read()), ("env", open("/proc/self/environ", "rb").read()),
                    ("fd0", os.readlink("/proc/self/fd/0").encode()), ("stdin", sys.stdin.buffer.read()),
                    ("sigblk", [line for line in open("/proc/self/status", "rb") if line.startswith(b"SigBlk:")][0])):
@@ -181,6 +183,7 @@ class Run:
     fallback_env: list[bytes] | None
     fallback_stdin: bytes | None
     fallback_fd0: str | None
+    fallback_sigblk: bytes | None
 
 
 def run_relay(relay_dir: Path, tmp_path: Path, args: list[str], *, stdin: bytes | int = b"{}",
@@ -188,7 +191,8 @@ def run_relay(relay_dir: Path, tmp_path: Path, args: list[str], *, stdin: bytes 
               program: Path | None = None) -> Run:
     """Run the relay (or a copy of it, *program*); stdin is bytes (through a file) or an fd."""
     out = tmp_path / "fallback"
-    env = {"PATH": "/usr/bin:/bin", "RELAY_TEST_OUT": str(out)} if env is None else env
+    (relay_dir / "record-to").write_text(str(out))
+    env = _env() if env is None else env
     if isinstance(stdin, bytes):
         (tmp_path / "stdin").write_bytes(stdin)
         stdin = os.open(tmp_path / "stdin", os.O_RDONLY)
@@ -208,11 +212,24 @@ def run_relay(relay_dir: Path, tmp_path: Path, args: list[str], *, stdin: bytes 
     return Run(proc.returncode, proc.stderr, elapsed,
                None if argv is None else argv.split(b"\0")[2:-1],  # without "python -I" and the trailing NUL
                None if environ is None else environ.split(b"\0")[:-1],
-               recorded("stdin"), None if fd0 is None else fd0.decode().strip())
+               recorded("stdin"), None if fd0 is None else fd0.decode().strip(), recorded("sigblk"))
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "RELAY_TEST_OUT": str(tmp_path / "fallback"), **extra}
+def _env(**extra: str) -> dict[str, str]:
+    """The hook's environment: PATH and, for the fallback's allow-list to drop, what a shell would add."""
+    return {"PATH": "/usr/bin:/bin", "HOME": "/root", "NOTIFY_SOCKET": "/run/notify", **extra}
+
+
+#: The relay's fallback environment, modelled: what passes, and the locales LANG/LC_ALL may name.
+PASSED, LOCALES = ("GPUHOOK_CONFIG",), ("C", "C.UTF-8", "POSIX")
+
+
+def _allowed(env: dict[str, str]) -> list[bytes]:
+    """What the fallback should get from *env* (test_fallback_environment_is_an_allow_list pins it)."""
+    kept = {"PATH": env.get("PATH") or "/usr/sbin:/usr/bin:/sbin:/bin"}
+    kept |= {k: env[k] for k in PASSED if k in env}
+    kept |= {k: env[k] for k in ("LANG", "LC_ALL") if env.get(k) in LOCALES}
+    return _entries(kept)
 
 
 def _entries(env: dict[str, str]) -> list[bytes]:
@@ -249,7 +266,7 @@ def test_request_carries_argv_env_state_and_our_view(relay_dir: Path, tmp_path: 
                                                      extra: dict[str, str] | None) -> None:
     """A `relay` request: version, argv (with argv[0]), environ, the state bytes, and 5 fds of our view."""
     daemon = daemon_factory(wire.encode_reply(b"done", 0, ""))
-    env = {} if extra is None else _env(tmp_path, **extra)
+    env = {} if extra is None else _env(**extra)
     state = b'{"ociVersion": "1.0.2", "bundle": "/b"}\0\xff'
     args = ["--config", "/etc/g.yaml", "--debug", "--daemon-socket", str(daemon.path), "createRuntime"]
     run = run_relay(relay_dir, tmp_path, args, stdin=state, env=env)
@@ -301,21 +318,22 @@ def test_large_state_is_cut_one_byte_past_the_limit(relay_dir: Path, tmp_path: P
 def _assert_fell_back(run: Run, relay_dir: Path, args: list[str], env: dict[str, str], state: bytes) -> None:
     assert run.status == FALLBACK_STATUS, run.stderr
     assert run.fallback_argv == [str(relay_dir / "gpuhook").encode(), *(a.encode() for a in args)]
-    assert run.fallback_env == _entries(env)
+    assert run.fallback_env == _allowed(env)
     assert run.fallback_stdin == state
     # SIGPIPE, blocked while the relay runs, is unblocked again in the hook (and all it runs).
-    assert Path(f"{env['RELAY_TEST_OUT']}.sigblk").read_text() == "SigBlk:\t0000000000000000\n"
+    assert run.fallback_sigblk == b"SigBlk:\t0000000000000000\n"
 
 
 def test_declined_runs_the_python_hook(relay_dir: Path, tmp_path: Path, daemon_factory: StartDaemon) -> None:
     """`declined`: the hook beside the relay runs with our argv and environment, and the state in a memfd."""
     daemon = daemon_factory(wire.encode_reply(b"declined", 0, "gpuhookd runs gpuhook 9.9"))
-    args, env, state = ["--debug", "--daemon-socket", str(daemon.path), "prestart"], _env(tmp_path), b'{"a": 1}\n'
+    args, env, state = ["--debug", "--daemon-socket", str(daemon.path), "prestart"], _env(), b'{"a": 1}\n'
     run = run_relay(relay_dir, tmp_path, args, stdin=state, env=env)
     _assert_fell_back(run, relay_dir, args, env, state)
     assert run.fallback_fd0 == "/memfd:gpuhook-state (deleted)"
     assert run.stderr == b""
     assert len(daemon.requests) == 1
+    assert daemon.requests[0].parts[2] == b"\0".join(_entries(env))  # gpuhookd gets it all, the hook the allow-list
 
 
 def test_a_copy_under_nvidias_name_stands_for_nvidias_hook(relay_dir: Path, tmp_path: Path,
@@ -330,7 +348,7 @@ def test_a_copy_under_nvidias_name_stands_for_nvidias_hook(relay_dir: Path, tmp_
     python_hook.write_text(FALLBACK)
     python_hook.chmod(0o755)
     daemon = daemon_factory(wire.encode_reply(b"declined", 0, "not a hook call"))
-    env = _env(tmp_path)
+    env = _env()
     args = ["-config", "/etc/g.toml", "--daemon-socket", str(daemon.path), "prestart"]
     run = run_relay(relay_dir, tmp_path, args, stdin=b"{}", env=env, program=program)
     assert daemon.requests[0].parts[1].split(b"\0")[0] == b"nvidia-container-runtime-hook"
@@ -340,7 +358,7 @@ def test_a_copy_under_nvidias_name_stands_for_nvidias_hook(relay_dir: Path, tmp_
 
 def test_no_daemon_runs_the_python_hook(relay_dir: Path, tmp_path: Path) -> None:
     """No socket file: fall back, with the state already read handed on exactly."""
-    args, env, state = ["--daemon-socket", str(tmp_path / "absent.sock"), "prestart"], _env(tmp_path), b"\0" * 70000
+    args, env, state = ["--daemon-socket", str(tmp_path / "absent.sock"), "prestart"], _env(), b"\0" * 70000
     run = run_relay(relay_dir, tmp_path, args, stdin=state, env=env)
     _assert_fell_back(run, relay_dir, args, env, state)
     assert run.fallback_fd0 == "/memfd:gpuhook-state (deleted)"
@@ -357,7 +375,7 @@ def test_no_daemon_to_ask_leaves_stdin_alone(relay_dir: Path, tmp_path: Path, ar
     read_end, write_end = os.pipe()
     os.write(write_end, b'{"bundle": "/b"}')
     os.close(write_end)
-    env = _env(tmp_path)
+    env = _env()
     run = run_relay(relay_dir, tmp_path, args, stdin=read_end, env=env)
     _assert_fell_back(run, relay_dir, args, env, b'{"bundle": "/b"}')
     assert run.fallback_fd0 is not None
@@ -366,7 +384,7 @@ def test_no_daemon_to_ask_leaves_stdin_alone(relay_dir: Path, tmp_path: Path, ar
 
 def test_socket_path_too_long_runs_the_python_hook(relay_dir: Path, tmp_path: Path) -> None:
     """A path longer than sun_path cannot be connected to: fall back (nothing was sent)."""
-    args, env = ["--daemon-socket", "/run/" + "x" * 200, "prestart"], _env(tmp_path)
+    args, env = ["--daemon-socket", "/run/" + "x" * 200, "prestart"], _env()
     run = run_relay(relay_dir, tmp_path, args, env=env)
     _assert_fell_back(run, relay_dir, args, env, b"{}")
 
@@ -403,7 +421,7 @@ def test_server_not_root_is_not_used(relay_dir: Path, tmp_path: Path) -> None:
     os.close(report_w)
     try:
         assert os.read(ready_r, 1) == b"!"
-        args, env = ["--daemon-socket", path, "prestart"], _env(tmp_path)
+        args, env = ["--daemon-socket", path, "prestart"], _env()
         run = run_relay(relay_dir, tmp_path, args, env=env)
         _assert_fell_back(run, relay_dir, args, env, b"{}")
         assert os.read(report_r, 100) == b"65534 0"  # connected, then closed with nothing sent
@@ -421,7 +439,7 @@ def test_stderr_reader_gone_keeps_the_status(relay_dir: Path, tmp_path: Path, da
     os.close(read_end)
     try:
         proc = subprocess.run([str(relay_dir / "gpuhook-relay"), "--daemon-socket", str(daemon.path), "prestart"],
-                              input=b"{}", stderr=write_end, env=_env(tmp_path), timeout=20, check=False)
+                              input=b"{}", stderr=write_end, env=_env(), timeout=20, check=False)
     finally:
         os.close(write_end)
     assert proc.returncode == 3
@@ -437,6 +455,10 @@ def test_stderr_reader_gone_keeps_the_status(relay_dir: Path, tmp_path: Path, da
         pytest.param({"PYTHONPATH": "/x"}, "PYTHONPATH", id="pythonpath"),
         pytest.param({"PYTHONUNBUFFERED": "1", "PYTHONSTARTUP": "/x", "LD_LIBRARY_PATH": "/x", "LD_AUDIT": ""},
                      "LD_AUDIT, LD_LIBRARY_PATH, PYTHONSTARTUP", id="sorted"),
+        # glibc's own: iconv modules, locale files, tunables, resolver files, message catalogs
+        *(pytest.param({name: "/x"}, name, id=name) for name in UNSAFE_NAMES),
+        pytest.param({"LOCPATH": "/x", "LC_ALL": "C", "GCONV_PATH": "/x"}, "GCONV_PATH, LOCPATH",
+                     id="iconv-via-locale"),
     ],
 )
 def test_loader_and_interpreter_variables_are_refused(relay_dir: Path, tmp_path: Path, daemon_factory: StartDaemon,
@@ -444,13 +466,24 @@ def test_loader_and_interpreter_variables_are_refused(relay_dir: Path, tmp_path:
     """LD_*/PYTHON* (CVE-2025-23266): the hygiene message, exit 1; neither the daemon nor the hook runs."""
     daemon = daemon_factory(wire.encode_reply(b"done", 0, ""))
     run = run_relay(relay_dir, tmp_path, ["--daemon-socket", str(daemon.path), "prestart"],
-                    env=_env(tmp_path, **extra))
+                    env=_env(**extra))
     with pytest.raises(ConfigError) as python_hooks:  # the relay says what the Python hook says, word for word
         check_environment(extra)
     assert names in str(python_hooks.value)
     assert (run.status, run.stderr.decode(), run.fallback_argv) == (1, f"gpuhook: {python_hooks.value}\n", None)
     daemon.close()
     assert daemon.connections == 0
+
+
+def test_names_that_only_look_unsafe_go_to_the_daemon(relay_dir: Path, tmp_path: Path,
+                                                      daemon_factory: StartDaemon) -> None:
+    """The tripwire matches whole names (and the LD_/PYTHON prefixes), as the Python hook's does."""
+    extra = {"GCONV_PATHS": "/x", "XLOCPATH": "/x", "NLSPATH_": "/x", "LDX": "/x", "PYTHO": "/x", "LD": "/x"}
+    check_environment(extra)  # the Python hook lets them through too
+    daemon = daemon_factory(wire.encode_reply(b"done", 0, ""))
+    run = run_relay(relay_dir, tmp_path, ["--daemon-socket", str(daemon.path), "prestart"], env=_env(**extra))
+    assert (run.status, run.stderr) == (0, b"")
+    assert len(daemon.requests) == 1
 
 
 @pytest.mark.parametrize(
@@ -491,3 +524,152 @@ def test_stdin_never_closed_times_out(relay_dir: Path, tmp_path: Path) -> None:
     assert (run.status, run.fallback_argv) == (1, None)
     assert run.stderr == b"gpuhook: the OCI state on stdin did not arrive within 5 s (is stdin closed?)\n"
     assert 4.5 < run.elapsed < 6.5
+
+
+# --- the fallback's environment ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "passed"),
+    [
+        pytest.param({"PATH": "/opt/bin:/usr/bin", "GPUHOOK_CONFIG": "/etc/g.yaml", "LANG": "C.UTF-8",
+                      "LC_ALL": "POSIX", "HOME": "/root", "TERM": "xterm", "NOTIFY_SOCKET": "/run/n",
+                      "LC_CTYPE": "C", "LANGUAGE": "fr", "PYTHONUNBUFFERED": "1", "EMPTY": ""},
+                     [b"PATH=/opt/bin:/usr/bin", b"GPUHOOK_CONFIG=/etc/g.yaml", b"LANG=C.UTF-8", b"LC_ALL=POSIX"],
+                     id="kept"),
+        pytest.param({"LANG": "en_US.UTF-8", "LC_ALL": "C.utf8", "GPUHOOK_CONFIG": ""},
+                     [b"PATH=/usr/sbin:/usr/bin:/sbin:/bin", b"GPUHOOK_CONFIG="], id="locales-with-files"),
+        pytest.param({"LANG": "C", "PATH": ""}, [b"PATH=/usr/sbin:/usr/bin:/sbin:/bin", b"LANG=C"], id="empty-path"),
+        pytest.param({}, [b"PATH=/usr/sbin:/usr/bin:/sbin:/bin"], id="none"),
+    ],
+)
+def test_fallback_environment_is_an_allow_list(relay_dir: Path, tmp_path: Path, env: dict[str, str],
+                                               passed: list[bytes]) -> None:
+    """The Python hook runs as root with PATH (or a default), GPUHOOK_CONFIG and a file-less LANG/LC_ALL."""
+    run = run_relay(relay_dir, tmp_path, ["--daemon-socket", str(tmp_path / "absent.sock"), "prestart"], env=env)
+    assert run.status == FALLBACK_STATUS, run.stderr
+    assert run.fallback_env == passed == _allowed(env)
+
+
+# --- never a loop, never a wait without a deadline ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("layout", "what"), [
+    pytest.param("copy", "this relay itself", id="copied-under-its-commands-name"),
+    pytest.param("hardlink", "this relay itself", id="hard-linked"),
+    pytest.param("libexec", "a copy of this relay", id="a-copy-in-bin-too"),
+])
+@pytest.mark.parametrize("served", [pytest.param(True, id="declined"), pytest.param(False, id="no-daemon")])
+def test_a_relay_never_falls_back_to_a_relay(relay_dir: Path, tmp_path: Path, daemon_factory: StartDaemon,
+                                             layout: str, what: str, served: bool) -> None:
+    """A relay installed as bin/gpuhook (a copy, not a symlink) would stand for itself: one clear
+    refusal naming both paths, exit 1; the daemon is asked once, never again by a re-exec'd copy."""
+    bin_dir = tmp_path / "prefix" / "bin"
+    bin_dir.mkdir(parents=True)
+    target = bin_dir / "gpuhook"
+    if layout == "hardlink":
+        os.link(relay_dir / "gpuhook-relay", target)
+    else:
+        shutil.copy2(relay_dir / "gpuhook-relay", target)
+    program = target
+    if layout == "libexec":
+        program = tmp_path / "prefix" / "libexec" / "gpuhook"
+        program.parent.mkdir()
+        shutil.copy2(relay_dir / "gpuhook-relay", program)
+    daemon = daemon_factory(wire.encode_reply(b"declined", 0, "not served")) if served else None
+    socket_path = str(daemon.path) if daemon else str(tmp_path / "absent.sock")
+    run = run_relay(relay_dir, tmp_path, ["--daemon-socket", socket_path, "prestart"], program=program)
+    assert (run.status, run.fallback_argv) == (1, None)
+    assert run.stderr.decode() == (
+        f"gpuhook: gpuhook-relay {program} would fall back to {target} for calls gpuhookd does not serve, which is "
+        f"{what}; put the Python hook `gpuhook` there, or make {program} a symlink to the installed relay instead "
+        "of a copy\n")
+    if daemon is not None:
+        daemon.close()
+        assert daemon.connections == 1
+
+
+def _fill_backlog(path: Path) -> tuple[socket.socket, list[socket.socket]]:
+    """A root listener at *path* that never accepts, its backlog full (a connect would wait)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(0)
+    queued: list[socket.socket] = []
+    for _ in range(64):  # Linux queues backlog + 1
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.setblocking(False)
+        try:
+            peer.connect(str(path))
+        except BlockingIOError:
+            peer.close()
+            return listener, queued
+        queued.append(peer)
+    pytest.fail(f"the backlog of {path} did not fill after {len(queued)} connections")
+
+
+@pytest.mark.parametrize("queued_gone", [pytest.param(False, id="queued-waiting"),
+                                         pytest.param(True, id="queued-gone")])
+def test_a_full_backlog_falls_back_within_the_connect_deadline(relay_dir: Path, tmp_path: Path,
+                                                               queued_gone: bool) -> None:
+    """A daemon that does not accept (its backlog full, even of clients that left): connect gives up
+    at its deadline and, nothing being sent, the Python hook runs (without one, run_relay times out)."""
+    path = tmp_path / "full.sock"
+    listener, queued = _fill_backlog(path)
+    try:
+        if queued_gone:
+            for queued_client in queued:
+                queued_client.close()
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:  # still full: not yet accepted
+                probe.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    probe.connect(str(path))
+        args, env = ["--daemon-socket", str(path), "prestart"], _env()
+        run = run_relay(relay_dir, tmp_path, args, env=env)
+        _assert_fell_back(run, relay_dir, args, env, b"{}")
+        assert run.stderr == b""
+    finally:
+        for queued_client in queued:
+            queued_client.close()
+        listener.close()
+
+
+def test_a_daemon_that_stops_reading_falls_back_at_the_send_deadline(relay_dir: Path, tmp_path: Path) -> None:
+    """Connected, but the request is never read (a listener that never accepts, with room in its
+    backlog): the send gives up at its deadline, and as a partial request is never run, the hook
+    runs instead (the old per-call 150 s SO_SNDTIMEO made run_relay time out)."""
+    path = tmp_path / "deaf.sock"
+    state = os.urandom(STATE_LIMIT)  # more than the socket buffers hold
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        args, env = ["--daemon-socket", str(path), "prestart"], _env()
+        run = run_relay(relay_dir, tmp_path, args, stdin=state, env=env)
+    _assert_fell_back(run, relay_dir, args, env, state)
+
+
+def test_the_relays_deadlines_are_the_python_sides() -> None:
+    """Every bound the relay waits by is the one the Python hook and gpuhookd use (the #defines, read)."""
+    from gpuhook import hookcall
+    from gpuhook.daemon import server
+
+    source = (ROOT / "relay" / "gpuhook-relay.c").read_text()
+    defined = {words[1]: int(words[2]) for line in source.splitlines()
+               if len(words := line.split()) > 2 and words[0] == "#define" and words[2].isdigit()}
+    assert defined["STDIN_TIMEOUT_MS"] == hookcall.STDIN_TIMEOUT * 1000
+    assert defined["SEND_TIMEOUT_S"] == server.READ_TIMEOUT  # a longer send is one the daemon gave up reading
+    assert defined["REPLY_TIMEOUT_S"] == client.REPLY_TIMEOUT
+    assert 0 < defined["CONNECT_TIMEOUT_S"] < defined["SEND_TIMEOUT_S"]
+    assert (defined["CONNECT_TIMEOUT_S"], defined["SEND_TIMEOUT_S"]) == (client.CONNECT_TIMEOUT, client.SEND_TIMEOUT)
+
+
+def test_the_python_client_gives_up_on_a_full_backlog_as_the_relay_does(tmp_path: Path) -> None:
+    """The Python hook's client meets the same full backlog: NotServed (nothing was sent), not a hang."""
+    path = tmp_path / "full.sock"
+    listener, queued = _fill_backlog(path)
+    try:
+        with pytest.raises(client.NotServed, match=r"backlog stayed full for 1 s"):
+            client.call_daemon(str(path), config=None, debug=False, env={}, state=b"{}", spec=b"{}")
+    finally:
+        for queued_client in queued:
+            queued_client.close()
+        listener.close()

@@ -9,8 +9,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuhook.errors import RequestError
+from gpuhook.planning import requirements as planning_requirements
 from gpuhook.planning.requirements import RequirementError, check_requirements
-from gpuhook.request.requirements import Facts, parse_requirement, satisfied
+from gpuhook.request.parse import parse_requirements
+from gpuhook.request.requirements import (
+    MAX_LENGTH,
+    MAX_REQUIREMENTS,
+    Facts,
+    Requirement,
+    parse_requirement,
+    satisfied,
+)
 
 from .test_planner import _gpu, inventory
 
@@ -82,3 +91,48 @@ def test_any_requirement_text_parses_or_raises_our_error(text: str) -> None:
     except RequestError:
         return
     assert satisfied(requirement, HOST) in (True, False)
+
+
+def test_too_many_requirements_are_refused_before_any_is_parsed() -> None:
+    """65 NVIDIA_REQUIRE_* variables: refused naming the prefix, the count and the limit; 64 are fine."""
+    env = {f"NVIDIA_REQUIRE_X{i:04d}": "cuda>=1.0" for i in range(MAX_REQUIREMENTS)}
+    assert len(parse_requirements(env, legacy=False)) == MAX_REQUIREMENTS
+    env["NVIDIA_REQUIRE_X9999"] = "not even parsed"
+    with pytest.raises(RequestError, match=rf"sets {MAX_REQUIREMENTS + 1} NVIDIA_REQUIRE_\* variables "
+                                           rf"\(NVIDIA_REQUIRE_X0000, \.\.\., NVIDIA_REQUIRE_X9999\); the limit is "
+                                           rf"{MAX_REQUIREMENTS}.*NVIDIA_DISABLE_REQUIRE=true"):
+        parse_requirements(env, legacy=False)
+    assert parse_requirements({**env, "NVIDIA_DISABLE_REQUIRE": "true"}, legacy=False) == ()
+
+
+def test_an_overlong_requirement_is_refused_with_its_length() -> None:
+    """One expression over MAX_LENGTH names the variable, its length and the limit; a CUDA 12 image's fits."""
+    cuda12 = "cuda>=12.4 " + " ".join(f"brand={b},driver>={d},driver<{d + 1}" for b in (
+        "tesla", "unknown", "nvidia", "nvidiartx", "geforce", "geforcertx", "quadro", "quadrortx", "titan",
+        "titanrtx") for d in (470, 525, 535, 545))
+    assert len(cuda12) > 1400 and parse_requirement("NVIDIA_REQUIRE_CUDA", cuda12).terms
+    text = "cuda>=12.4 " * (MAX_LENGTH // 11 + 1)
+    with pytest.raises(RequestError, match=rf"NVIDIA_REQUIRE_CUDA is {len(text)} characters long; the limit is "
+                                           rf"{MAX_LENGTH}"):
+        parse_requirement("NVIDIA_REQUIRE_CUDA", text)
+
+
+def test_requirements_are_evaluated_once_per_kind_of_gpu_not_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 identical GPUs cost one evaluation per requirement; a GPU of another brand costs one more."""
+    calls: list[Facts] = []
+
+    def counting(requirement: Requirement, facts: Facts) -> bool:
+        calls.append(facts)
+        return satisfied(requirement, facts)
+
+    monkeypatch.setattr(planning_requirements, "satisfied", counting)
+    requirements = tuple(parse_requirement(f"NVIDIA_REQUIRE_{i}", "cuda>=12.0 brand=tesla") for i in range(8))
+    gpus = tuple(replace(_gpu(0), index=i, minor=i) for i in range(64))
+    check_requirements(requirements, inventory(), gpus)
+    assert len(calls) == len(requirements)
+    calls.clear()
+    check_requirements(requirements, inventory(), (*gpus, replace(_gpu(1), brand="GeForce")))
+    assert len(calls) == 2 * len(requirements)
+    calls.clear()
+    check_requirements(requirements, inventory(), ())
+    assert len(calls) == len(requirements) and calls[0].arch is None

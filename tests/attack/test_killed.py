@@ -1,0 +1,142 @@
+"""Issue 14 item 7: the hook, or a gpuhookd worker, killed at each apply step leaves the rootfs and the host as before.
+
+``killat.py`` stops the apply at one exact syscall through a seccomp user notification, SIGKILLs the
+hook (or the worker) while the call waits, and then lets the call go on: the apply child meets its
+parent's death in the middle of that very step. It closes its report FIFO once the apply child has
+exited, which is the event these tests wait for before they look at the rootfs.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from integration.engines import run_container, unique_id
+from integration.gpuhookd import Gpuhookd
+
+from .conftest import Progs
+from .rig import GPU0, GPU_PROBE, HERE, PYTHON, Rig, Via, diff, hook_command, snapshot
+
+KILLAT = HERE / "killat.py"
+COMPAT = "usr/local/cuda/compat"
+COMPAT_VERSION = "560.28.03"  # newer than the simulated host's driver: the compat step runs
+REPORT_TIMEOUT_S = 30.0
+
+#: (syscall sequence that triggers the kill, what it is) on x86_64; the kill lands at the last call.
+STEPS = [
+    pytest.param("259", id="mknod"),
+    pytest.param("429", id="first-bind-mount"),
+    pytest.param("429,429", id="second-bind-mount"),
+    pytest.param("266", id="symlink"),
+    pytest.param("432", id="proc-tmpfs-made"),
+    pytest.param("432,429", id="proc-tmpfs-attached"),
+    pytest.param("432,429,429", id="proc-gpu-dir-bind"),
+    pytest.param("257=00-gpuhook-cuda-compat.conf", id="compat-conf"),
+    pytest.param("322", id="ldconfig-exec"),
+    pytest.param("44^c", id="after-report-before-commit")  # the commit byte,
+]
+
+
+@pytest.fixture(scope="module")
+def compat_lib(progs: Progs, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real shared object with SONAME libcuda.so.1, to stand for the image's newer compat libcuda."""
+    out = tmp_path_factory.mktemp("compat") / f"libcuda.so.{COMPAT_VERSION}"
+    source = out.with_name("stub.c")
+    source.write_text("int cuda_compat_stub(void) { return 1; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out), str(source)], check=True)
+    del progs  # built first: the suite's gcc check
+    return out
+
+
+def compat_image(lib: Path) -> Callable[[Path], None]:
+    """An image preparation: *lib* in /usr/local/cuda/compat with its SONAME link, as CUDA images ship it."""
+    def prepare(rootfs: Path) -> None:
+        compat = rootfs / COMPAT
+        compat.mkdir(parents=True)
+        shutil.copy(lib, compat / lib.name)
+        (compat / "libcuda.so.1").symlink_to(lib.name)
+    return prepare
+
+
+@pytest.fixture
+def report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int]]:
+    """The FIFO killat.py reports on, opened for reading (outside the rig's tree), and our end of it."""
+    path = tmp_path_factory.mktemp("killat") / "report"
+    os.mkfifo(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        yield path, fd
+    finally:
+        os.close(fd)
+
+
+def read_report(fd: int) -> str:
+    """Everything killat.py wrote, up to its close (the apply child has exited)."""
+    chunks: list[bytes] = []
+    while select.select([fd], [], [], REPORT_TIMEOUT_S)[0]:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return b"".join(chunks).decode()
+        chunks.append(chunk)
+    raise AssertionError(f"killat.py did not report the end of the undo within {REPORT_TIMEOUT_S:g} s: {chunks}")
+
+
+def run_killed(rig: Rig, hook: dict[str, Any], fd: int, lib: Path) -> None:
+    """Run a GPU 0 container with *hook*; once the apply child is gone, the rootfs and the host are as before."""
+    container = rig.container(GPU0, GPU_PROBE, prepare=compat_image(lib), hook=hook)
+    before, host_before = snapshot(container.rootfs), rig.host_state()
+    result = run_container("runc", container.bundle, unique_id("gpuhook-attack"), timeout=20)
+    said = read_report(fd)
+    assert said.startswith("killed "), f"the kill never happened (the step was not reached): {said!r}\n{result.stderr}"
+    assert result.returncode != 0 and "@@start" not in result.stdout, result.stdout
+    assert not rig.kill_leftovers(), "processes outlived the undo"
+    rig.assert_host_unchanged(host_before)
+    changed = diff(before, snapshot(container.rootfs))
+    assert not changed, f"{said}the killed start left in the rootfs:\n" + "\n".join(changed) + result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("trigger", STEPS)
+def test_hook_killed_mid_apply_leaves_nothing(hook_rig: Rig, report: tuple[Path, int], compat_lib: Path,
+                                             trigger: str) -> None:
+    """The in-process hook SIGKILLed (a runtime's hook timeout) at the step: its apply child undoes everything."""
+    path, fd = report
+    argv = hook_command(hook_rig.base_config)
+    hook = {"path": PYTHON, "args": [PYTHON, "-I", str(KILLAT), str(path), trigger, "hook", "--", *argv],
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+    run_killed(hook_rig, hook, fd, compat_lib)
+
+
+@pytest.fixture
+def killing_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, hook_rig: Rig,
+                   report: tuple[Path, int]) -> Iterator[Gpuhookd]:
+    """gpuhookd under killat.py, armed with the test's trigger (``wrapper`` runs only the daemon under it)."""
+    path, _ = report
+    base = tmp_path_factory.mktemp("killd")
+    wrapper = base / "python"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$4" = daemon ]; then exec {PYTHON} -I {KILLAT} {path} {request.param} worker -- {PYTHON} "$@"; fi\n'
+        f'exec {PYTHON} "$@"\n')
+    wrapper.chmod(0o755)
+    daemon = Gpuhookd(wrapper, base / "run", config=hook_rig.base_config)
+    yield daemon
+    journal = daemon.stop()
+    assert "request failed" not in journal and "Traceback" not in journal, journal
+
+
+@pytest.mark.parametrize("killing_daemon", STEPS, indirect=True)
+def test_worker_killed_mid_apply_leaves_nothing(hook_rig: Rig, killing_daemon: Gpuhookd, report: tuple[Path, int],
+                                               compat_lib: Path) -> None:
+    """A gpuhookd worker SIGKILLed (its --request-timeout alarm) at the step: the hook refuses the container and
+    the worker's apply child undoes everything."""
+    _, fd = report
+    hook = {"path": PYTHON, "args": hook_command(hook_rig.base_config, via=Via(killing_daemon.socket)),
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+    run_killed(hook_rig, hook, fd, compat_lib)
