@@ -76,7 +76,10 @@ class ChildAhead:
         framed = _HEADER.pack(len(payload)) + payload
         try:
             sent = channel.sendmsg([framed], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fdpass.pack_fds(fds))])
-            channel.sendall(framed[sent:])
+            if sent < len(framed):
+                # Not sendall(b""): a child that has its whole payload may already have gone on (an exec
+                # closes the channel), and a zero-length send to a closed peer fails with EPIPE.
+                channel.sendall(framed[sent:])
         except BaseException:
             channel.close()
             raise

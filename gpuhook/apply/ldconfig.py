@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import os
 import resource
+import select
 import signal
 import struct
 from collections.abc import Sequence
@@ -152,6 +153,10 @@ def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, pidfd: 
     ldconfig at once.
     """
     argv = ["ldconfig", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *dirs]
+    if abort_fd is not None and select.select([abort_fd], [], [], 0)[0]:
+        # Gone already (killed during an earlier step): ldconfig would write a cache the undo must
+        # then chase; it is not started at all.
+        raise ApplyError("ldconfig", " ".join(dirs), detail="not started: the process that started this start has gone")
     if ahead is not None:
         payload = "\0".join((str(fresh), *argv)).encode()
         pid, read_fd, channel = ahead.start(payload, (pidfd, root_fd, ldconfig_fd))

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from gpuhook import __version__, hookcall, service
 from gpuhook.config import resolve_config_path
 from gpuhook.daemon import trust, wire
-from gpuhook.errors import ConfigError, GpuHookError, report_failure
+from gpuhook.errors import ConfigError, GpuHookError, SpecError, report_failure
 from gpuhook.sys import fdpass
 
 TYPE_CHECKING = False
@@ -201,8 +201,13 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int],
         return b"done", 0, ""
     # The GPU work reads settings, the log file and the driver roots from a config: the daemon's.
     theirs = str(resolve_config_path(args.config, env)[0])
-    reason = trust.check_config(theirs, config.path) or trust.check_container(call.state.get("pid"), fds[0])
-    return (b"declined", 0, reason) if reason else HookWork(fds, call)
+    reason = trust.check_config(theirs, config.path)
+    if reason:
+        return b"declined", 0, reason  # the hook then works with its own config, and its own power
+    # A caller that passed the checks could act on any process itself: a state naming a host process
+    # is refused here, as the in-process start refuses it, not handed back (nothing is gained by that).
+    reason = trust.check_container(call.state.get("pid"), fds[0])
+    return (b"done", 1, report_failure(SpecError(reason)) + "\n") if reason else HookWork(fds, call)
 
 
 def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhead | None,
