@@ -167,7 +167,7 @@ def _answer(conn: socket.socket, reply: Reply) -> None:
     signal.alarm(0)
 
 
-def _triage(kind: bytes, parts: list[bytes], fds: list[int],
+def _triage(kind: bytes, parts: list[bytes], fds: list[int],  # noqa: PLR0911 - one return per outcome
             config: OwnConfig) -> Reply | HookWork:
     """The reply to a request that needs no GPU work, or the decoded GPU work.
 
