@@ -38,8 +38,10 @@ from gpuhook.sys import process
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from typing import NoReturn
+
+    from gpuhook.service import ChildAhead
 
 #: Workers kept forked and idle; more absorb a burst of container starts.
 SPARE_WORKERS = 2
@@ -139,14 +141,19 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int,
         process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != daemon:  # it died before the prctl
             os._exit(0)
-        # Before a request waits for it: the apply child's fork. Not when a connection already
-        # waits (a burst of container starts): serve it now.
-        apply_child = None
-        if not select.select([listener], [], [], 0)[0]:
-            apply_child = service.fork_apply_ahead(close=(listener.fileno(), theirs.fileno()), priority=priority)
+        ahead: list[ChildAhead] = []
+
+        def prepare() -> None:
+            """Before a request waits for it: the apply child's fork. Not when a connection already
+            waits (a burst of container starts): serve it now, and prepare once idle again."""
+            if not ahead and not select.select([listener], [], [], 0)[0]:
+                ahead.append(service.fork_apply_ahead(close=(listener.fileno(), theirs.fileno()), priority=priority))
+
+        prepare()
         os.setpriority(os.PRIO_PROCESS, 0, priority)  # prepared: wake for a request at full priority
-        conn, request = _answer_until_gpu_request(listener, theirs, daemon, request_timeout, config)
+        conn, request = _answer_until_gpu_request(listener, theirs, daemon, request_timeout, config, prepare)
         listener.close()
+        apply_child = ahead[0] if ahead else None
         try:
             server.serve_gpu_request(conn, request, apply_child, config)
         finally:
@@ -162,7 +169,8 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int,
 
 
 def _answer_until_gpu_request(listener: socket.socket, daemon_end: socket.socket, daemon: int,
-                              request_timeout: float, config: OwnConfig) -> tuple[socket.socket, server.HookWork]:
+                              request_timeout: float, config: OwnConfig,
+                              prepare: Callable[[], None]) -> tuple[socket.socket, server.HookWork]:
     """Accept connections and answer those that need no GPU work; return the first that does.
 
     A container that asks for no GPU (gpuhook-relay leaves that check to the daemon) changes
@@ -184,6 +192,7 @@ def _answer_until_gpu_request(listener: socket.socket, daemon_end: socket.socket
         process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != daemon:
             os._exit(0)
+        prepare()  # a worker that served a burst unprepared forks its apply child now
         _tell(daemon_end, IDLE)
     os._exit(0)  # retired: the daemon sees the EOF and forks a fresh one
 

@@ -26,50 +26,28 @@ import socket
 import sys
 import time
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_SYS_SECCOMP = 317
-_SECCOMP_SET_MODE_FILTER = 1
-_SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3
-_SECCOMP_RET_ALLOW = 0x7FFF0000
-_SECCOMP_RET_USER_NOTIF = 0x7FC00000
-_SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
-_AUDIT_ARCH_X86_64 = 0xC000003E
-_PR_SET_NO_NEW_PRIVS = 38
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as `python -I SCRIPT`
+from notify_abi import (
+    AUDIT_ARCH_X86_64,
+    NOTIF_RECV,
+    NOTIF_SEND,
+    PR_SET_NO_NEW_PRIVS,
+    SECCOMP_FILTER_FLAG_NEW_LISTENER,
+    SECCOMP_RET_ALLOW,
+    SECCOMP_RET_USER_NOTIF,
+    SECCOMP_SET_MODE_FILTER,
+    SECCOMP_USER_NOTIF_FLAG_CONTINUE,
+    SYS_SECCOMP,
+    Notif,
+    NotifResp,
+    SockFilter,
+    SockFprog,
+    libc,
+)
+
 # Path argument indexes: openat(dirfd, path), mknodat(dirfd, path), symlinkat(target, dirfd, path),
 # execveat(dirfd, path).
 _PATH_ARG = {257: 1, 259: 1, 266: 2, 322: 1}
-
-
-class _SockFilter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
-
-
-class _SeccompData(ctypes.Structure):
-    _fields_ = [("nr", ctypes.c_int), ("arch", ctypes.c_uint32), ("instruction_pointer", ctypes.c_uint64),
-                ("args", ctypes.c_uint64 * 6)]
-
-
-class _Notif(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_uint64), ("pid", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("data", _SeccompData)]
-
-
-class _NotifResp(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_uint64), ("val", ctypes.c_int64), ("error", ctypes.c_int32),
-                ("flags", ctypes.c_uint32)]
-
-
-def _iowr(nr: int, size: int) -> int:
-    """The _IOWR('!', nr, size) ioctl number."""
-    return (3 << 30) | (size << 16) | (ord("!") << 8) | nr
-
-
-_NOTIF_RECV = _iowr(0, ctypes.sizeof(_Notif))
-_NOTIF_SEND = _iowr(1, ctypes.sizeof(_NotifResp))
 
 
 def _parse(trigger: str) -> list[tuple[int, str, bytes | int | None]]:
@@ -89,22 +67,22 @@ def _parse(trigger: str) -> list[tuple[int, str, bytes | int | None]]:
 
 def _install(nrs: set[int]) -> int:
     """Install the notifying filter for *nrs*; returns the listener fd."""
-    program = [_SockFilter(0x20, 0, 0, 4), _SockFilter(0x15, 1, 0, _AUDIT_ARCH_X86_64),
-               _SockFilter(0x06, 0, 0, _SECCOMP_RET_ALLOW), _SockFilter(0x20, 0, 0, 0)]
+    program = [SockFilter(0x20, 0, 0, 4), SockFilter(0x15, 1, 0, AUDIT_ARCH_X86_64),
+               SockFilter(0x06, 0, 0, SECCOMP_RET_ALLOW), SockFilter(0x20, 0, 0, 0)]
     for nr in sorted(nrs):
-        program += [_SockFilter(0x15, 0, 1, nr), _SockFilter(0x06, 0, 0, _SECCOMP_RET_USER_NOTIF)]
-    program.append(_SockFilter(0x06, 0, 0, _SECCOMP_RET_ALLOW))
-    filters = (_SockFilter * len(program))(*program)
-    prog = _SockFprog(len(program), filters)
-    _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    _libc.syscall.restype = ctypes.c_long
-    fd = _libc.syscall(_SYS_SECCOMP, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.byref(prog))
+        program += [SockFilter(0x15, 0, 1, nr), SockFilter(0x06, 0, 0, SECCOMP_RET_USER_NOTIF)]
+    program.append(SockFilter(0x06, 0, 0, SECCOMP_RET_ALLOW))
+    filters = (SockFilter * len(program))(*program)
+    prog = SockFprog(len(program), filters)
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc.syscall.restype = ctypes.c_long
+    fd = libc.syscall(SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.byref(prog))
     if fd < 0:
         raise OSError(ctypes.get_errno(), "seccomp(SECCOMP_FILTER_FLAG_NEW_LISTENER)")
     return int(fd)
 
 
-def _matches(notif: _Notif, step: tuple[int, str, bytes | int | None]) -> bool:
+def _matches(notif: Notif, step: tuple[int, str, bytes | int | None]) -> bool:
     nr, kind, value = step
     if notif.data.nr != nr:
         return False
@@ -116,7 +94,7 @@ def _matches(notif: _Notif, step: tuple[int, str, bytes | int | None]) -> bool:
     return True
 
 
-def _path_of(notif: _Notif) -> bytes:
+def _path_of(notif: Notif) -> bytes:
     """The path argument of the notified call, read from the caller's memory (b"" if unreadable)."""
     index = _PATH_ARG.get(notif.data.nr)
     if index is None:
@@ -184,9 +162,9 @@ def _supervise(listener: int, report: int, steps: list[tuple[int, str, bytes | i
                 return
         if not any(fd == listener and ev & select.POLLIN for fd, ev in events):
             continue
-        notif = _Notif()
+        notif = Notif()
         try:
-            fcntl.ioctl(listener, _NOTIF_RECV, notif)
+            fcntl.ioctl(listener, NOTIF_RECV, notif)
         except OSError:
             continue  # the caller died meanwhile (ENOENT)
         if steps and _matches(notif, steps[0]):
@@ -205,9 +183,9 @@ def _supervise(listener: int, report: int, steps: list[tuple[int, str, bytes | i
                 if not waiting:
                     os.close(report)
                     report = -1
-        resp = _NotifResp(notif.id, 0, 0, _SECCOMP_USER_NOTIF_FLAG_CONTINUE)
+        resp = NotifResp(notif.id, 0, 0, SECCOMP_USER_NOTIF_FLAG_CONTINUE)
         try:
-            fcntl.ioctl(listener, _NOTIF_SEND, resp)
+            fcntl.ioctl(listener, NOTIF_SEND, resp)
         except OSError:
             continue
 

@@ -21,16 +21,26 @@ import signal
 import sys
 import time
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_SYS_SECCOMP = 317
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as `python -I SCRIPT`
+from notify_abi import (
+    AUDIT_ARCH_X86_64,
+    NOTIF_RECV,
+    NOTIF_SEND,
+    PR_SET_NO_NEW_PRIVS,
+    SECCOMP_FILTER_FLAG_NEW_LISTENER,
+    SECCOMP_RET_ALLOW,
+    SECCOMP_RET_USER_NOTIF,
+    SECCOMP_SET_MODE_FILTER,
+    SECCOMP_USER_NOTIF_FLAG_CONTINUE,
+    SYS_SECCOMP,
+    Notif,
+    NotifResp,
+    SockFilter,
+    SockFprog,
+    libc,
+)
+
 _SYS_RENAMEAT2 = 316
-_SECCOMP_SET_MODE_FILTER = 1
-_SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3
-_SECCOMP_RET_ALLOW = 0x7FFF0000
-_SECCOMP_RET_USER_NOTIF = 0x7FC00000
-_SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
-_AUDIT_ARCH_X86_64 = 0xC000003E
-_PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_PDEATHSIG = 1
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -38,60 +48,28 @@ _RENAME_EXCHANGE = 2
 _PATH_ARG = {268: 1, 259: 1, 257: 1, 437: 1, 90: 0, 133: 0}
 
 
-class _SockFilter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
-
-
-class _SeccompData(ctypes.Structure):
-    _fields_ = [("nr", ctypes.c_int), ("arch", ctypes.c_uint32), ("instruction_pointer", ctypes.c_uint64),
-                ("args", ctypes.c_uint64 * 6)]
-
-
-class _Notif(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_uint64), ("pid", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("data", _SeccompData)]
-
-
-class _NotifResp(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_uint64), ("val", ctypes.c_int64), ("error", ctypes.c_int32),
-                ("flags", ctypes.c_uint32)]
-
-
-def _iowr(nr: int, size: int) -> int:
-    """The _IOWR('!', nr, size) ioctl number."""
-    return (3 << 30) | (size << 16) | (ord("!") << 8) | nr
-
-
-_NOTIF_RECV = _iowr(0, ctypes.sizeof(_Notif))
-_NOTIF_SEND = _iowr(1, ctypes.sizeof(_NotifResp))
-
-
 def _install(nr: int) -> int:
     """Install the notifying filter for *nr*; returns the listener fd."""
     program = [
-        _SockFilter(0x20, 0, 0, 4),  # ld arch
-        _SockFilter(0x15, 1, 0, _AUDIT_ARCH_X86_64),
-        _SockFilter(0x06, 0, 0, _SECCOMP_RET_ALLOW),
-        _SockFilter(0x20, 0, 0, 0),  # ld nr
-        _SockFilter(0x15, 0, 1, nr),
-        _SockFilter(0x06, 0, 0, _SECCOMP_RET_USER_NOTIF),
-        _SockFilter(0x06, 0, 0, _SECCOMP_RET_ALLOW),
+        SockFilter(0x20, 0, 0, 4),  # ld arch
+        SockFilter(0x15, 1, 0, AUDIT_ARCH_X86_64),
+        SockFilter(0x06, 0, 0, SECCOMP_RET_ALLOW),
+        SockFilter(0x20, 0, 0, 0),  # ld nr
+        SockFilter(0x15, 0, 1, nr),
+        SockFilter(0x06, 0, 0, SECCOMP_RET_USER_NOTIF),
+        SockFilter(0x06, 0, 0, SECCOMP_RET_ALLOW),
     ]
-    filters = (_SockFilter * len(program))(*program)
-    prog = _SockFprog(len(program), filters)
-    _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    _libc.syscall.restype = ctypes.c_long
-    fd = _libc.syscall(_SYS_SECCOMP, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.byref(prog))
+    filters = (SockFilter * len(program))(*program)
+    prog = SockFprog(len(program), filters)
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc.syscall.restype = ctypes.c_long
+    fd = libc.syscall(SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.byref(prog))
     if fd < 0:
         raise OSError(ctypes.get_errno(), "seccomp(SECCOMP_FILTER_FLAG_NEW_LISTENER)")
     return int(fd)
 
 
-def _path_of(notif: _Notif) -> bytes:
+def _path_of(notif: Notif) -> bytes:
     """The path argument of the notified call, read from the caller's memory (b"" if unreadable)."""
     index = _PATH_ARG.get(notif.data.nr)
     if index is None:
@@ -110,7 +88,7 @@ def _path_of(notif: _Notif) -> bytes:
 
 def _supervise(listener: int, name: bytes, a: bytes, b: bytes) -> None:
     """Answer notifications until the traced processes are gone; swap A and B on the first match."""
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     swapped = False
     deadline = time.monotonic() + 60
     poller = select.poll()
@@ -121,17 +99,17 @@ def _supervise(listener: int, name: bytes, a: bytes, b: bytes) -> None:
             return
         if not events:
             continue
-        notif = _Notif()
+        notif = Notif()
         try:
-            fcntl.ioctl(listener, _NOTIF_RECV, notif)
+            fcntl.ioctl(listener, NOTIF_RECV, notif)
         except OSError:
             continue  # the caller died meanwhile (ENOENT)
         if not swapped and os.path.basename(_path_of(notif)) == name:
-            _libc.syscall(_SYS_RENAMEAT2, _AT_FDCWD, a, _AT_FDCWD, b, _RENAME_EXCHANGE)
+            libc.syscall(_SYS_RENAMEAT2, _AT_FDCWD, a, _AT_FDCWD, b, _RENAME_EXCHANGE)
             swapped = True
-        resp = _NotifResp(notif.id, 0, 0, _SECCOMP_USER_NOTIF_FLAG_CONTINUE)
+        resp = NotifResp(notif.id, 0, 0, SECCOMP_USER_NOTIF_FLAG_CONTINUE)
         try:
-            fcntl.ioctl(listener, _NOTIF_SEND, resp)
+            fcntl.ioctl(listener, NOTIF_SEND, resp)
         except OSError:
             continue
 

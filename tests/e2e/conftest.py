@@ -95,4 +95,4 @@ def daemon(tmp_path: Path, host: FakeHost) -> Iterator[Gpuhookd]:
         yield running
     finally:
         journal = running.stop()
-    assert "request failed" not in journal, journal
+    assert "request failed" not in journal and "Traceback" not in journal, journal

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +25,6 @@ from integration.gpuhookd import Gpuhookd
 from ..unit.test_fast_path import ALLOWED as NO_GPU_PATH
 from .conftest import MakeContainer, hook_entry, relay_entry
 from .test_hook import PROBE, TWO_GPUS, lines
-
-
-@pytest.fixture
-def daemon(tmp_path: Path, host: FakeHost) -> Iterator[Gpuhookd]:
-    """A running gpuhookd serving the simulated host's config; its journal must show no failed request."""
-    running = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=host.config_path)
-    try:
-        yield running
-    finally:
-        journal = running.stop()
-    assert "request failed" not in journal, journal
 
 
 def open_up(path: Path) -> None:

@@ -47,17 +47,6 @@ open(sys.argv[3], "w").write(verdict)
 NO_CAPS = ["setpriv", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all"]
 
 
-@pytest.fixture
-def daemon(tmp_path: Path, host: FakeHost) -> Iterator[Gpuhookd]:
-    """A gpuhookd serving the simulated host's config; no request may kill a worker."""
-    running = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=host.config_path)
-    try:
-        yield running
-    finally:
-        journal = running.stop()
-    assert "request failed" not in journal and "Traceback" not in journal, journal
-
-
 def new_events(host: FakeHost, offset: int) -> list[dict[str, object]]:
     """The host log's events past *offset* (none if nothing was ever logged)."""
     log = host.root / "gpuhook.log"
