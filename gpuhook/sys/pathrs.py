@@ -32,6 +32,9 @@ class _OpenHow(ctypes.Structure):
 
 
 _openat2_missing: list[bool] = []
+#: Lookups retried on EAGAIN: a busy host's mounts and renames, not an attacker, cause it, and
+#: each retry is one syscall.
+EAGAIN_RETRIES: Final = 64
 
 
 def openat2(dir_fd: int, path: str, flags: int, resolve: int) -> int:
@@ -39,11 +42,17 @@ def openat2(dir_fd: int, path: str, flags: int, resolve: int) -> int:
 
     Kernels before 5.6 (or a seccomp profile that hides the syscall) answer
     ENOSYS; then the O_PATH walker below gives the same semantics for the
-    flags gpuhook uses.
+    flags gpuhook uses. EAGAIN is the kernel's "a mount or rename happened
+    anywhere on the system while a '..' was resolved in the root" (openat2(2)):
+    the lookup is simply tried again, up to ``EAGAIN_RETRIES`` times.
     """
     if not _openat2_missing:
         how = _OpenHow(flags=flags | os.O_CLOEXEC, mode=0, resolve=resolve)
-        fd = syscall(SYS_OPENAT2, dir_fd, encode_path(path), ctypes.byref(how), ctypes.sizeof(how))
+        raw = encode_path(path)
+        for _ in range(EAGAIN_RETRIES):
+            fd = syscall(SYS_OPENAT2, dir_fd, raw, ctypes.byref(how), ctypes.sizeof(how))
+            if fd >= 0 or ctypes.get_errno() != errno.EAGAIN:
+                break
         if fd >= 0 or ctypes.get_errno() != errno.ENOSYS:
             return check(fd, path)
         _openat2_missing.append(True)
