@@ -138,15 +138,22 @@ def _include(rootfs: Path) -> Path:
     return rootfs / "etc/ld.so.conf.d"
 
 
+def _conf_link_to_fifo(rootfs: Path) -> None:
+    _fifo(rootfs / "opt/conf")
+    _link(rootfs / "etc/ld.so.conf", "/opt/conf")
+
+
+def _relative_include_fifo(rootfs: Path) -> None:
+    (rootfs / "etc/ld.so.conf").write_text("include sub/*.conf\n")  # relative to the including file's dir
+    _fifo(rootfs / "etc/sub/a.conf")
+
+
 _IMAGES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "lib-symlink-to-fifo": (_lib_link_to_fifo, ("opt/fifo",)),
     "ld.so.conf-fifo": (lambda r: _fifo(r / "etc/ld.so.conf"), ("etc/ld.so.conf",)),
-    "ld.so.conf-symlink-to-fifo": (lambda r: (_fifo(r / "opt/conf"), _link(r / "etc/ld.so.conf", "/opt/conf")),
-                                   ("opt/conf",)),
+    "ld.so.conf-symlink-to-fifo": (_conf_link_to_fifo, ("opt/conf",)),
     "included-conf-fifo": (lambda r: _fifo(_include(r) / "x.conf"), ("etc/ld.so.conf.d/x.conf",)),
-    "relative-include-fifo": (
-        lambda r: ((r / "etc/ld.so.conf").write_text("include sub/*.conf\n"), _fifo(r / "etc/sub/a.conf")),
-        ("etc/sub/a.conf",)),
+    "relative-include-fifo": (_relative_include_fifo, ("etc/sub/a.conf",)),
     "aux-cache-temp-fifo": (lambda r: _fifo(r / "var/cache/ldconfig/aux-cache~"), ("var/cache/ldconfig/aux-cache~",)),
     "ld.so.conf-null-device": (lambda r: _node(r / "etc/ld.so.conf", 1, 3), ("etc/ld.so.conf",)),
     "ld.so.conf-serial-tty": (lambda r: _node(r / "etc/ld.so.conf", 4, 64), ("etc/ld.so.conf",)),
