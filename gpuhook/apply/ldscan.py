@@ -114,20 +114,24 @@ class _Scan:
                 listed = list(entries)
         except (OSError, ValueError):
             return  # ldconfig cannot list it either
+        prefix = path.rstrip("/") + "/"
+        # The hot loop of a start: d_type answers for all but the symlinks, which ldconfig stats
+        # then opens unless they name a directory. A plain FIFO or node is skipped by ldconfig.
         for entry in listed:
-            name = entry.name
-            full = f"{path.rstrip('/')}/{name}"
             if entry.is_symlink():
-                target = self.special(full)  # ldconfig stats then opens every symlink that is not a directory
+                target = self.special(prefix + entry.name)
                 if target is None or not stat.S_ISDIR(target.st_mode):
                     continue
-            elif not entry.is_dir(follow_symlinks=False):
-                continue  # a regular file opens at once; a FIFO or node that is no symlink is skipped
-            if hwcaps and name == _GLIBC_HWCAPS:
-                for sub in _subdirs(full):
+            elif not hwcaps or not entry.is_dir(follow_symlinks=False):
+                continue
+            if not hwcaps:
+                continue
+            name = entry.name
+            if name == _GLIBC_HWCAPS:
+                for sub in _subdirs(prefix + name):
                     self.directory(sub, hwcaps=False)
-            elif hwcaps and (name in _HWCAP_DIRS or _TRIPLET.fullmatch(name)):
-                self.directory(full, hwcaps=True)
+            elif name in _HWCAP_DIRS or _TRIPLET.fullmatch(name):
+                self.directory(prefix + name, hwcaps=True)
 
 
 def _dir_path(line: str) -> str:
