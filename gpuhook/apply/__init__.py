@@ -35,7 +35,7 @@ from pathlib import Path
 
 from gpuhook.apply import cgroups
 from gpuhook.apply.children import wait_child
-from gpuhook.apply.ldconfig import open_ldconfig, run_ldconfig
+from gpuhook.apply.ldconfig import LDCONFIG_DEADLINE_S, open_ldconfig, run_ldconfig
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.errors import ApplyError, error_from_dict
 from gpuhook.planning.plan import BindMount, CudaCompat, Plan, ProcDriverMount
@@ -343,8 +343,10 @@ def _apply_in_container(
                 fs.save_aside(LD_SO_CACHE + "~")
                 for directory, prefixes in _library_dirs(plan).items():
                     fs.watch_links(directory, prefixes)
-            # Half the budget: a hung ldconfig must fail inside this child, so rollback still runs.
-            run_ldconfig(ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared, timeout=timeout / 2,
+            # Nothing in the image can block it (ldconfig._sandbox), so this is a backstop: at most half
+            # the budget (a hung ldconfig must fail inside this child, so rollback still runs).
+            run_ldconfig(ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared,
+                         timeout=min(timeout / 2, LDCONFIG_DEADLINE_S),
                          ahead=ldconfig_ahead, abort_fd=abort_fd)
     except BaseException as err:
         leftovers = fs.rollback()

@@ -24,6 +24,7 @@ planted. Here:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import resource
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, NoReturn
 
+from gpuhook.apply import ldscan
 from gpuhook.apply.children import wait_child
 from gpuhook.errors import ApplyError, SpecError
 from gpuhook.sys import pathrs, process, syscalls
@@ -45,10 +47,17 @@ if TYPE_CHECKING:
     from gpuhook.apply.ahead import ChildAhead
 
 _PT_INTERP: Final = 3
+_AT_EMPTY_PATH: Final = 0x1000
 _MAX_BINARY: Final = 64 << 20
 _CAP_DAC_OVERRIDE: Final = 1
 _SEALS: Final = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 _HIDDEN: Final = ("proc", "sys", "dev")
+#: FIFOs and the like set aside for one ldconfig run: more than any image needs (each is a mount)
+_MAX_COVERED: Final = 256
+#: ldconfig's deadline: it takes ~30 ms over a host's 1100 libraries, so 5 s leaves a 100-fold margin for
+#: a large image on a loaded host, while a start stuck anyway (an image changed from outside while it
+#: ran) holds its gpuhookd worker for 5 s, not half the start's timeout (15 s)
+LDCONFIG_DEADLINE_S: Final = 5.0
 _ENV: Final = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 #: libnvidia-container's limits for its ldconfig child (nvc_ldcache.c), with a larger file size:
 #: an image with many libraries can have a cache over 1 MiB.
@@ -171,6 +180,11 @@ def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, pidfd: 
     if result.abandoned:
         raise ApplyError("ldconfig", " ".join(dirs), detail="stopped: the process that started this start has gone")
     output, status = result.output.decode("utf-8", "replace"), result.status
+    if result.timed_out:
+        raise ApplyError("ldconfig", " ".join(dirs), detail=(
+            f"timed out after {timeout:g} s (it takes milliseconds): something in the image's /etc/ld.so.conf, "
+            f"its includes or its library directories blocked it (changed while it ran?); {output.strip()[-300:]}"
+        ).rstrip("; "))
     if status != 0:
         why = f"killed by signal {-status}" if status is not None and status < 0 else f"exited with status {status}"
         raise ApplyError("ldconfig", " ".join(dirs), detail=f"{why}: {output.strip()[-500:]}")
@@ -193,7 +207,8 @@ def update_ldcache(ldconfig: Path, rootfs: Path, dirs: Sequence[str], *, timeout
             own = os.pidfd_open(os.getpid())
             try:
                 fresh = syscalls.CLONE_NEWNET | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS
-                run_ldconfig(ldconfig_fd, root_fd, dirs, pidfd=own, fresh=fresh, timeout=timeout)
+                run_ldconfig(ldconfig_fd, root_fd, dirs, pidfd=own, fresh=fresh,
+                             timeout=min(timeout, LDCONFIG_DEADLINE_S))
             finally:
                 os.close(own)
         finally:
@@ -229,7 +244,7 @@ def _exec_sandboxed(ldconfig_fd: int, root_fd: int, pidfd: int, fresh: int, argv
     try:
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
-        _sandbox(root_fd, pidfd, fresh)
+        _sandbox(root_fd, pidfd, fresh, conf=argv[2], dirs=argv[5:])
         os.execve(ldconfig_fd, argv, _ENV)
     except BaseException as err:  # noqa: BLE001 - report why the sandbox or exec failed, then die
         os.write(2, f"cannot start ldconfig: {err}".encode())
@@ -237,9 +252,9 @@ def _exec_sandboxed(ldconfig_fd: int, root_fd: int, pidfd: int, fresh: int, argv
         os._exit(127)
 
 
-def _sandbox(root_fd: int, pidfd: int, fresh: int) -> None:
-    """The container's namespaces and a private mount namespace, hidden /proc /sys /dev, chroot,
-    limits, no privileges to gain (in the child)."""
+def _sandbox(root_fd: int, pidfd: int, fresh: int, *, conf: str, dirs: Sequence[str]) -> None:
+    """The container's namespaces and a private mount namespace, hidden /proc /sys /dev, nothing
+    that can block ldconfig, chroot, limits, no privileges to gain (in the child)."""
     process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the step that waits for us
     # The container's network, IPC and UTS namespaces (CVE-2024-0137 ran ldconfig in the host's
     # network namespace): ldconfig reaches nothing the container cannot. Joining them is free, where
@@ -251,7 +266,7 @@ def _sandbox(root_fd: int, pidfd: int, fresh: int) -> None:
     os.fchdir(root_fd)
     syscalls.unshare(syscalls.CLONE_NEWNS | fresh)
     syscalls.make_mounts_private()
-    root_fd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    root_fd = _nodev_root(os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
     hidden = (syscalls.MOUNT_ATTR_RDONLY | syscalls.MOUNT_ATTR_NOSUID | syscalls.MOUNT_ATTR_NODEV
               | syscalls.MOUNT_ATTR_NOEXEC)
     for name in _HIDDEN:
@@ -262,7 +277,51 @@ def _sandbox(root_fd: int, pidfd: int, fresh: int) -> None:
         syscalls.move_mount(syscalls.fsmount_tmpfs({"mode": "0555", "size": "4k"}, hidden), target, what=name)
     os.chroot(".")
     os.chdir("/")
+    _cover(ldscan.blocking_paths(conf, dirs))
     for limit, value in _LIMITS:
         resource.setrlimit(limit, (value, value))
     process.prctl(process.PR_SET_NO_NEW_PRIVS, 1)
     syscalls.drop_bounding_set(frozenset({_CAP_DAC_OVERRIDE}))
+
+
+def _nodev_root(root_fd: int) -> int:
+    """Make every mount at and under *root_fd* (in our private namespace) nodev, so that no device
+    node in the image can be opened (a tty or a tape blocks or acts on open); the root to use."""
+    try:
+        syscalls.mount_setattr(root_fd, syscalls.MOUNT_ATTR_NODEV, recursive=True, what="the rootfs")
+        return root_fd
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+    # Not a mount of its own (runc makes it one, another runtime may not): bind it onto itself.
+    flags = syscalls.OPEN_TREE_CLONE | syscalls.OPEN_TREE_CLOEXEC | syscalls.AT_RECURSIVE | _AT_EMPTY_PATH
+    tree = syscalls.open_tree(root_fd, "", flags)
+    syscalls.mount_setattr(tree, syscalls.MOUNT_ATTR_NODEV, recursive=True, what="the rootfs")
+    syscalls.move_mount(tree, root_fd, what="the rootfs")
+    os.fchdir(tree)
+    return tree
+
+
+def _cover(paths: Sequence[str]) -> None:
+    """Mount an empty read-only file over each of *paths* (FIFOs and the like ldconfig would open),
+    in our namespace only: ldconfig reads nothing there, and the image is unchanged."""
+    if not paths:
+        return
+    if len(paths) > _MAX_COVERED:
+        raise ApplyError("ldconfig", paths[0], detail=(
+            f"the image has {len(paths)} FIFOs or other special files where ldconfig reads its configuration "
+            f"and libraries (at most {_MAX_COVERED} are set aside); remove them from the image"))
+    empty = syscalls.fsmount_tmpfs({"mode": "0555", "size": "4k"}, syscalls.MOUNT_ATTR_NOSUID
+                                   | syscalls.MOUNT_ATTR_NODEV | syscalls.MOUNT_ATTR_NOEXEC)
+    os.close(os.open("empty", os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o444, dir_fd=empty))
+    syscalls.mount_setattr(empty, syscalls.MOUNT_ATTR_RDONLY, what="an empty file")
+    for path in paths:
+        # O_PATH opens nothing: a FIFO is not waited on, a node not opened.
+        target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        try:
+            clone = syscalls.open_tree(empty, "empty", syscalls.OPEN_TREE_CLONE | syscalls.OPEN_TREE_CLOEXEC)
+            syscalls.move_mount(clone, target, what=path)
+            os.close(clone)
+        finally:
+            os.close(target)
+    os.close(empty)

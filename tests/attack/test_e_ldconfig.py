@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import yaml
 
 from .conftest import Progs
-from .rig import GPU0, GPU_PROBE, Rig
+from .rig import GPU0, GPU_PROBE, LIBS_DIR, Rig
 
 HOST_LDCONFIG = Path("/sbin/ldconfig")
 
@@ -97,3 +101,87 @@ def test_ldconfig_of_a_host_network_container_gets_a_fresh_network_namespace(rig
     outcome = rig.run(rig.container(GPU0, config=rig.config(ldconfig=progs.nsprobe), edit_spec=host_namespaces))
     outcome.assert_refused("ldconfig")
     assert "ifaces=lo,;" in outcome.hook_error, outcome.hook_error
+
+
+# --- E43: nothing in the image can block ldconfig --------------------------------------------------
+# glibc's ldconfig fopen()s ld.so.conf and each include match, and open()s every symlink in the
+# directories it scans (and creates ld.so.cache~ and aux-cache~): a FIFO there blocked it until its
+# deadline, holding a gpuhookd worker; a node like a serial tty (c 4:64, which waits for carrier)
+# blocked it in open likewise.
+
+
+def _fifo(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+
+
+def _node(path: Path, major: int, minor: int) -> None:
+    path.unlink(missing_ok=True)
+    os.mknod(path, 0o644 | stat.S_IFCHR, os.makedev(major, minor))
+
+
+def _link(path: Path, target: str) -> None:
+    path.unlink(missing_ok=True)
+    path.symlink_to(target)
+
+
+def _lib_link_to_fifo(rootfs: Path) -> None:
+    _fifo(rootfs / "opt/fifo")
+    (rootfs / LIBS_DIR.lstrip("/") / "libfifo.so.1").symlink_to("/opt/fifo")  # on ldconfig's command line
+    (rootfs / "usr/lib/libfifo2.so").symlink_to("../../opt/fifo")  # a trusted directory
+    (rootfs / "usr/lib/tls").symlink_to("/opt/fifo")  # a hwcap name: ldconfig opens it as a library
+
+
+def _include(rootfs: Path) -> Path:
+    (rootfs / "etc/ld.so.conf").write_text("include /etc/ld.so.conf.d/*.conf\n")
+    return rootfs / "etc/ld.so.conf.d"
+
+
+def _conf_link_to_fifo(rootfs: Path) -> None:
+    _fifo(rootfs / "opt/conf")
+    _link(rootfs / "etc/ld.so.conf", "/opt/conf")
+
+
+def _relative_include_fifo(rootfs: Path) -> None:
+    (rootfs / "etc/ld.so.conf").write_text("include sub/*.conf\n")  # relative to the including file's dir
+    _fifo(rootfs / "etc/sub/a.conf")
+
+
+_IMAGES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
+    "lib-symlink-to-fifo": (_lib_link_to_fifo, ("opt/fifo",)),
+    "ld.so.conf-fifo": (lambda r: _fifo(r / "etc/ld.so.conf"), ("etc/ld.so.conf",)),
+    "ld.so.conf-symlink-to-fifo": (_conf_link_to_fifo, ("opt/conf",)),
+    "included-conf-fifo": (lambda r: _fifo(_include(r) / "x.conf"), ("etc/ld.so.conf.d/x.conf",)),
+    "relative-include-fifo": (_relative_include_fifo, ("etc/sub/a.conf",)),
+    "aux-cache-temp-fifo": (lambda r: _fifo(r / "var/cache/ldconfig/aux-cache~"), ("var/cache/ldconfig/aux-cache~",)),
+    "ld.so.conf-null-device": (lambda r: _node(r / "etc/ld.so.conf", 1, 3), ("etc/ld.so.conf",)),
+    "ld.so.conf-serial-tty": (lambda r: _node(r / "etc/ld.so.conf", 4, 64), ("etc/ld.so.conf",)),
+}
+
+
+@pytest.mark.parametrize("image", list(_IMAGES))
+def test_nothing_in_the_image_blocks_ldconfig(rig: Rig, image: str) -> None:
+    """E43: FIFOs and device nodes where ldconfig reads (its conf, includes, library symlinks, the
+    files it writes) neither block it nor get opened: the container starts with its GPU, fast, and
+    the special files are still there, untouched."""
+    prepare, specials = _IMAGES[image]
+    container = rig.container(GPU0, GPU_PROBE, prepare=prepare)
+    before = {rel: os.lstat(container.rootfs / rel) for rel in specials}
+    outcome = rig.run(container)
+    rig.check_gpu(outcome, [0])
+    for rel, old in before.items():
+        new = os.lstat(container.rootfs / rel)
+        assert (new.st_ino, new.st_mode, new.st_rdev) == (old.st_ino, old.st_mode, old.st_rdev), rel
+    assert "timed out" not in outcome.result.stderr, outcome.result.stderr
+
+
+def test_a_fifo_ldconfig_never_reads_does_not_matter(rig: Rig) -> None:
+    """E43: FIFOs where ldconfig does not open them (a FIFO itself in a library directory, which it
+    skips; a FIFO in a directory it never scans) are left alone: the container starts."""
+    def prepare(rootfs: Path) -> None:
+        _fifo(rootfs / LIBS_DIR.lstrip("/") / "libplain.so.1")
+        _fifo(rootfs / "srv/libelsewhere.so.1")
+        (rootfs / "srv/libelsewhere.so").symlink_to("libelsewhere.so.1")
+
+    rig.check_gpu(rig.run(rig.container(GPU0, GPU_PROBE, prepare=prepare)), [0])

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 from integration.engines import host_mounts, tree_snapshot
 from integration.fakehost import FakeHost
 
-from .conftest import MakeContainer
+from .conftest import MakeContainer, hook_entry
 
 DEVICES = "ls /dev | grep -c '^nvidia[0-9]'; dltest libcuda.so.1 libnvidia-encode.so.1"
 
@@ -131,3 +133,31 @@ def test_compat32_mounts_the_i386_libraries(make_container: MakeContainer) -> No
     without = make_container("ls /usr/lib/i386-linux-gnu | grep -c libcuda; true", {"NVIDIA_VISIBLE_DEVICES": "0"}
                              ).run()
     assert without.stdout.splitlines()[0] == "0"
+
+
+def test_compat_conf_is_taken_back_when_compat_no_longer_applies(make_container: MakeContainer, host: FakeHost,
+                                                                  tmp_path: Path) -> None:
+    """Issue 14 item 8: a restart of the same rootfs where compat no longer applies (after a host driver
+    upgrade, or with ``cuda_compat: false``) removes the conf gpuhook wrote, and the cache no longer puts
+    the image's older compat libcuda first."""
+    conf = "etc/ld.so.conf.d/00-gpuhook-cuda-compat.conf"
+    script = "dltest -p libcuda.so.1; ldconfig -p | grep -m1 'libcuda.so.1 '; true"
+    container = make_container(script, {"NVIDIA_VISIBLE_DEVICES": "0"}, prepare=_compat_libcuda("560.28.03"))
+    first = container.run()
+    assert first.returncode == 0, first.stderr
+    assert "dlopen libcuda.so.1: OK /usr/local/cuda/compat/libcuda.so.1" in first.stdout
+    assert "/usr/local/cuda/compat/libcuda.so.1" in first.stdout.splitlines()[-1]  # first in ld.so.cache
+    assert (container.rootfs / conf).read_text() == "/usr/local/cuda/compat\n"
+
+    no_compat = tmp_path / "no-compat.yaml"
+    no_compat.write_text(yaml.safe_dump({**yaml.safe_load(host.config_path.read_text()), "cuda_compat": False}))
+    spec_path = container.bundle / "config.json"
+    spec = json.loads(spec_path.read_text())
+    spec["hooks"]["prestart"] = [hook_entry(no_compat, "prestart")]
+    spec_path.write_text(json.dumps(spec))
+    second = container.run()
+    assert second.returncode == 0, second.stderr
+    assert not (container.rootfs / conf).exists() and not (container.rootfs / conf).is_symlink()
+    assert "dlopen libcuda.so.1: OK /usr/lib/x86_64-linux-gnu/libcuda.so.1" in second.stdout, second.stdout
+    assert "/usr/lib/x86_64-linux-gnu/libcuda.so.1" in second.stdout.splitlines()[-1], second.stdout
+    assert (container.rootfs / "usr/local/cuda/compat/libcuda.so.560.28.03").is_file()  # the image's own files stay
