@@ -25,18 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuhook.apply import (
-    ChildForkedAhead,
-    ContainerRef,
-    change_rootfs,
-    fork_apply_child,
-    grant_device_access,
-    opened_container,
-)
-from gpuhook.apply.ahead import ChildAhead
-from gpuhook.apply.ldconfig import open_ldconfig, seal_ahead, update_ldcache
-from gpuhook.apply.view import enter_client_view
-from gpuhook.cdi import Rendered, render_spec
+from gpuhook.apply import ChildForkedAhead, ContainerRef, change_rootfs, grant_device_access, opened_container
 from gpuhook.config import Config, HealthPolicy, load_config, resolve_config_path
 from gpuhook.discovery import Found, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
@@ -48,9 +37,16 @@ from gpuhook.oci.state import state_from_object
 from gpuhook.planning.paths import libs32_dir, libs_dir
 from gpuhook.planning.plan import Plan
 from gpuhook.planning.planner import Target, live_needs, make_plan, plan_devices
-from gpuhook.planning.specedit import add_devices
 from gpuhook.request.model import GpuRequest
 from gpuhook.request.parse import parse_request
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from gpuhook.apply.ahead import ChildAhead
+    from gpuhook.cdi import Rendered
+
+# What only gpuhookd, CDI, spec edits or `doctor` use is imported where it is used: an in-process
+# start (the hook where gpuhookd does not serve) imports this module, and every module costs it.
 
 
 __all__ = [
@@ -166,6 +162,8 @@ def update_ldcache_in(config: Config, rootfs: Path, dirs: Sequence[str]) -> None
     runc runs createContainer hooks in the container's mount namespace after its mounts and
     before pivot_root, so *rootfs* already shows the CDI mounts: no namespace to enter.
     """
+    from gpuhook.apply.ldconfig import update_ldcache
+
     rootfs_identity(rootfs)  # refuses the host's own /
     update_ldcache(config.ldconfig, rootfs, dirs, timeout=config.timeout_seconds)
 
@@ -175,6 +173,8 @@ def update_ldcache_in(config: Config, rootfs: Path, dirs: Sequence[str]) -> None
 
 def prepare_daemon(env: Mapping[str, str]) -> str:
     """Work the default configuration's requests can share (the sealed copy of its ldconfig); '' or why not."""
+    from gpuhook.apply.ldconfig import seal_ahead
+
     try:
         path, required = resolve_config_path(None, env)
         seal_ahead(load_config(path, required=required).ldconfig)
@@ -185,11 +185,15 @@ def prepare_daemon(env: Mapping[str, str]) -> str:
 
 def fork_apply_ahead(*, priority: int, close: Sequence[int] = ()) -> ChildAhead:
     """An apply child forked before its request arrives (an idle gpuhookd worker's)."""
+    from gpuhook.apply import fork_apply_child
+
     return fork_apply_child(priority=priority, close=close)
 
 
 def enter_hook_view(fds: Sequence[int]) -> str:
     """Take the hook's view (its mount and cgroup namespaces and root, as fds); '' or why it cannot be."""
+    from gpuhook.apply.view import enter_client_view
+
     return enter_client_view(fds)
 
 
@@ -208,6 +212,8 @@ def render_plan(config: Config, spec: BundleSpec) -> tuple[GpuRequest, Plan] | N
 
 def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec) -> Mapping[str, Any]:
     """*raw* with the requested GPUs' devices and rules added (the same object when no GPU is asked for)."""
+    from gpuhook.planning.specedit import add_devices
+
     request = request_for(spec, config)
     if request is None:
         return raw
@@ -222,6 +228,8 @@ def render_cdi(config: Config, hook_argv: list[str] | None) -> Rendered:
     Debian multiarch dir is on glibc's default search path in Debian/Ubuntu images (NVIDIA's specs
     use the host's own paths, which is the same on a Debian host).
     """
+    from gpuhook.cdi import render_spec
+
     machine = os.uname().machine
     target = Target(libs_dir=libs_dir(debian_like=True, machine=machine),
                     libs32_dir=libs32_dir(debian_like=True, machine=machine),
@@ -243,6 +251,8 @@ def discover_uncached(config: Config) -> Inventory:
 
 def check_ldconfig(path: Path) -> None:
     """Raise ApplyError unless *path* is an ldconfig the sandbox can run (static, host-owned)."""
+    from gpuhook.apply.ldconfig import open_ldconfig
+
     os.close(open_ldconfig(path))
 
 

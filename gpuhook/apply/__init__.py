@@ -26,12 +26,13 @@ import json
 import os
 import re
 import signal
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import _socket
 
 from gpuhook.apply import cgroups
 from gpuhook.apply.children import wait_child
@@ -62,7 +63,7 @@ class RootfsChanges:
 
     report: ApplyReport
     rootfs: str
-    channel: socket.socket
+    channel: _socket.socket
     deadline: float
 
     def commit(self) -> None:
@@ -191,13 +192,15 @@ def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, 
                ahead: ChildForkedAhead | None) -> RootfsChanges:
     """Fork (or hand the work to) the child that does the namespace work, and collect its report."""
     deadline = time.monotonic() + timeout
+    channel: _socket.socket
     if ahead is not None:
         import pickle  # gpuhookd only (preloaded there)
 
         payload = pickle.dumps((plan, container, ldconfig, timeout))
         child, read_fd, channel = ahead.child.start(payload, (pidfd, ahead.mount_ns_fd, ahead.root_fd))
     else:
-        channel, child_channel = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # _socket: the socket module would cost an in-process start its enum and selectors imports
+        channel, child_channel = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
         read_fd, write_fd = os.pipe()
         child = os.fork()
         if child == 0:  # pragma: no cover - runs in the forked child; exercised by the runc tests
@@ -231,7 +234,7 @@ def _collect(child: int, read_fd: int, container: ContainerRef, timeout: float) 
 
 
 def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ahead: ChildAhead | None,
-                        channel: socket.socket) -> int:
+                        channel: _socket.socket) -> int:
     """A child forked ahead, now given its work: (plan, container, ldconfig, timeout) pickled by the
     worker that forked it (same code, same trust), and fds: pidfd, the hook's mount namespace, root."""
     import pickle
@@ -244,7 +247,7 @@ def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ah
 
 def _child_main(
     plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, out_fd: int,
-    channel: socket.socket, view: tuple[int, int] | None = None, ldconfig_ahead: ChildAhead | None = None,
+    channel: _socket.socket, view: tuple[int, int] | None = None, ldconfig_ahead: ChildAhead | None = None,
 ) -> int:
     """Body of the forked child; returns its exit status after writing the JSON report and either
     keeping its changes (the parent's commit on *channel*) or undoing them.
@@ -285,7 +288,7 @@ def _child_main(
     return status
 
 
-def _hold(fs: RootFs, channel: socket.socket, deadline: float) -> bool:
+def _hold(fs: RootFs, channel: _socket.socket, deadline: float) -> bool:
     """Wait for the parent's commit: keep the changes and say so (True), or undo them all when the
     channel closes first (the parent died) or the deadline passes (False)."""
     try:
