@@ -65,6 +65,10 @@ _NO_REQUEST = "connect and close, nothing sent"
 _JOURNAL_LIMIT = 300
 
 
+class NoRequest(wire.WireError):
+    """A connection closed before a byte of request: a probe, with no one left to answer."""
+
+
 @dataclass(frozen=True, slots=True)
 class OwnConfig:
     """The daemon's own config file (``--config``, else ``$GPUHOOK_CONFIG``, else the default) and
@@ -122,7 +126,7 @@ def handle(conn: socket.socket, *, request_timeout: float, config: OwnConfig) ->
     try:
         kind, parts, fds = _receive(conn, time.monotonic() + READ_TIMEOUT)
     except (OSError, wire.WireError) as err:  # nothing was done: the hook may do it itself
-        if str(err) == _NO_REQUEST:  # a probe (a second gpuhookd looking for a stale socket): no one to answer
+        if isinstance(err, NoRequest):  # a probe (a second gpuhookd looking for a stale socket)
             say(f"a connection closed without a request ({_NO_REQUEST})")
             signal.alarm(0)
             return None
@@ -287,7 +291,7 @@ def _receive(conn: socket.socket, deadline: float) -> tuple[bytes, list[bytes], 
             _until(conn, deadline)
             chunk = conn.recv(4096)
             if not chunk:
-                raise wire.WireError("request ended inside its header" if data else _NO_REQUEST)
+                raise wire.WireError("request ended inside its header") if data else NoRequest(_NO_REQUEST)
             line, newline, body = (line + chunk).partition(b"\n")
         kind, sizes = wire.parse_header(line)
         chunks, size, total = [body], len(body), sum(sizes)
