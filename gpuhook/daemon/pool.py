@@ -144,14 +144,14 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int,
         ahead: list[ChildAhead] = []
 
         def prepare() -> None:
-            """Before a request waits for it: the apply child's fork. Not when a connection already
-            waits (a burst of container starts): serve it now, and prepare once idle again."""
-            if not ahead and not select.select([listener], [], [], 0)[0]:
+            """Before a request waits for it: the apply child's fork (once), then full priority to
+            wake for a request."""
+            if not ahead:
                 ahead.append(service.fork_apply_ahead(close=(listener.fileno(), theirs.fileno()), priority=priority))
+            os.setpriority(os.PRIO_PROCESS, 0, priority)
 
-        prepare()
-        os.setpriority(os.PRIO_PROCESS, 0, priority)  # prepared: wake for a request at full priority
-        conn, request = _answer_until_gpu_request(listener, theirs, daemon, request_timeout, config, prepare)
+        conn, request = _answer_until_gpu_request(listener, theirs, daemon, request_timeout, config, priority,
+                                                  prepare)
         listener.close()
         apply_child = ahead[0] if ahead else None
         try:
@@ -169,7 +169,7 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int,
 
 
 def _answer_until_gpu_request(listener: socket.socket, daemon_end: socket.socket, daemon: int,
-                              request_timeout: float, config: OwnConfig,
+                              request_timeout: float, config: OwnConfig, priority: int,
                               prepare: Callable[[], None]) -> tuple[socket.socket, server.HookWork]:
     """Accept connections and answer those that need no GPU work; return the first that does.
 
@@ -181,7 +181,8 @@ def _answer_until_gpu_request(listener: socket.socket, daemon_end: socket.socket
     waiter.register(listener.fileno(), select.EPOLLIN | select.EPOLLEXCLUSIVE)
     waiter.register(daemon_end.fileno(), select.EPOLLIN)
     for _ in range(ANSWERS_PER_WORKER):
-        conn = _accept(listener, daemon_end, waiter)
+        conn = _accept(listener, daemon_end, waiter, prepare)
+        os.setpriority(os.PRIO_PROCESS, 0, priority)  # a burst's connection, served before prepare()
         process.prctl(process.PR_SET_PDEATHSIG, 0)  # the daemon's end no longer ends this request
         _tell(daemon_end, BUSY)
         request = server.handle(conn, request_timeout=request_timeout, config=config)
@@ -192,25 +193,32 @@ def _answer_until_gpu_request(listener: socket.socket, daemon_end: socket.socket
         process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != daemon:
             os._exit(0)
-        prepare()  # a worker that served a burst unprepared forks its apply child now
         _tell(daemon_end, IDLE)
     os._exit(0)  # retired: the daemon sees the EOF and forks a fresh one
 
 
-def _accept(listener: socket.socket, daemon_end: socket.socket, waiter: select.epoll) -> socket.socket:
+def _accept(listener: socket.socket, daemon_end: socket.socket, waiter: select.epoll,
+            prepare: Callable[[], None]) -> socket.socket:
     """The next connection; exits when the daemon says retire (or is gone). Transient errors
-    (EMFILE, ENOBUFS, ...) are reported and retried."""
+    (EMFILE, ENOBUFS, ...) are reported and retried.
+
+    A connection already queued (a burst of container starts) is taken at once, before
+    *prepare* forks anything; only a worker that found none (its accept() said EAGAIN, which no
+    other worker can race) prepares, then waits. Deciding on a peek instead would leave a worker
+    that saw a connection another then took waiting unprepared: EPOLLEXCLUSIVE need not wake it.
+    """
     while True:
+        try:
+            return listener.accept()[0]
+        except BlockingIOError:
+            pass  # none waits, or another worker took it
+        except OSError as err:
+            say(f"accept failed: {err}")
+            time.sleep(0.1)
+            continue
+        prepare()
         events = dict(waiter.poll())
-        if listener.fileno() in events:  # a connection first: this worker may be the only one woken
-            try:
-                return listener.accept()[0]
-            except BlockingIOError:
-                pass  # another worker took it
-            except OSError as err:
-                say(f"accept failed: {err}")
-                time.sleep(0.1)
-        if daemon_end.fileno() in events:  # RETIRE, or EOF: the daemon is gone
+        if daemon_end.fileno() in events and listener.fileno() not in events:  # RETIRE, or EOF: the daemon is gone
             os._exit(0)
 
 

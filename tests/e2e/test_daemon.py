@@ -64,7 +64,7 @@ def test_spare_workers_wait_for_requests(make_container: MakeContainer, host: Fa
 
         return {pid: descendants(pid) for pid, p in parents.items() if p == daemon.proc.pid}
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a busy machine: forks at nice 19 wait for CPU
     while len(before := family()) != 2 or any(len(kids) != 2 for kids in before.values()):
         assert time.monotonic() < deadline, before
         time.sleep(0.05)
