@@ -21,6 +21,7 @@ from typing import Any, Final
 
 from gpuhook.errors import ConfigError
 from gpuhook.planning.health import HealthPolicy
+from gpuhook.sharing.policy import NO_POLICY, Policy, decode_device_file, decode_gpus
 
 # HealthPolicy is defined in core (the planner applies it) and re-exported with the other settings' types.
 __all__ = [
@@ -75,11 +76,18 @@ class Config:
     cuda_compat: bool = True
     #: the longest the privileged step (mounts, nodes, ldconfig) may take
     timeout_seconds: float = 30.0
+    #: gpuhook's state (the lease ledger): a root-only directory, ideally on tmpfs; None: no leases
+    #: (only with no sharing limit: every GPU unlimited)
+    state_dir: Path | None = Path("/run/gpuhook")
+    #: the per-GPU sharing policy: the ``gpus:`` list, or what ``device_policy`` names
+    gpus: Policy = NO_POLICY
+    #: a device-policy file (``{"Devices": [...]}``, JSON or YAML) instead of ``gpus:``
+    device_policy: Path | None = None
 
 
 _FIELDS: Final = {f.name: f for f in dataclasses.fields(Config)}
 _PATH_KEYS: Final = ("driver_root", "dev_root", "proc_root", "ldconfig")
-_OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir")  # null disables the feature
+_OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir", "state_dir", "device_policy")  # null disables the feature
 _BOOL_KEYS: Final = (
     "accept_envvar_when_unprivileged", "accept_volume_mounts", "accept_cdi_annotations", "no_cgroups", "cuda_compat",
 )
@@ -113,12 +121,7 @@ def parse_config(text: str, *, source: str = "<config>") -> Config:
     """Decode YAML text into a Config, refusing unknown keys and wrong types."""
     data = parse_flat_yaml(text)
     if data is _NOT_FLAT:
-        import yaml  # only for files outside the flat subset: PyYAML costs ~14 ms per container start
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{source}: not valid YAML: {err}") from err
+        data = _load_yaml(text, source)
     if data is None:
         return Config()
     if not isinstance(data, dict):
@@ -126,7 +129,41 @@ def parse_config(text: str, *, source: str = "<config>") -> Config:
     unknown = sorted(str(k) for k in data if k not in _FIELDS)
     if unknown:
         raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
-    return Config(**{key: _convert(key, value, source) for key, value in data.items()})
+    settings = {key: _convert(key, value, source) for key, value in data.items()}
+    if settings.get("device_policy") is not None:
+        if "gpus" in settings:
+            raise ConfigError(f"{source}: gpus and device_policy both set a sharing policy; keep one")
+        settings["gpus"] = load_device_policy(settings["device_policy"])
+    config = Config(**settings)
+    if config.state_dir is None and not config.gpus.is_unlimited:
+        raise ConfigError(f"{source}: state_dir is null, but the sharing policy ({config.gpus.source}) limits GPUs, "
+                          "which needs the lease ledger there; set state_dir (default /run/gpuhook)")
+    return config
+
+
+def load_device_policy(path: Path) -> Policy:
+    """The device-policy file *path* (JSON, or YAML for anything that is not JSON)."""
+    import json
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"device_policy: cannot read {path}: {getattr(err, 'strerror', None) or err}") from err
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = _load_yaml(text, str(path))
+    return decode_device_file(data, source=str(path))
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    import yaml  # only for files outside the flat subset: PyYAML costs ~14 ms per container start
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, where PyYAML was built with it
+    try:
+        return yaml.load(text, Loader=loader)  # a safe loader
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: not valid YAML: {err}") from err
 
 
 _NOT_FLAT: Final[Any] = object()
@@ -192,6 +229,8 @@ def _convert(key: str, value: Any, source: str) -> Any:
         if not isinstance(value, str) or value not in values:
             raise ConfigError(f"{where} must be one of {', '.join(values)}, got {value!r}")
         return kind(value)
+    if key == "gpus":
+        return decode_gpus(value, source=source)
     if key == "timeout_seconds":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 600:
             raise ConfigError(f"{where} must be a number of seconds in (0, 600], got {value!r}")

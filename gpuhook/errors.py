@@ -10,7 +10,10 @@ hook's stderr to the user)::
     │   └── UnsafeEnvironmentError  loader/interpreter variables in a root process's environment
     ├── SpecError                bad OCI state on stdin or bad bundle config.json
     ├── RequestError             bad NVIDIA_* values in the container's environment
-    │   └── UnknownDeviceError   a requested GPU that this host does not have
+    │   ├── UnknownDeviceError   a requested GPU that this host does not have
+    │   └── PolicyError          the sharing policy refuses it (a capability the GPU may not be given)
+    │       └── BusyError        the GPUs asked for are held by other containers (names them)
+    ├── StateError               gpuhook's own state under state_dir (the lease ledger) is unusable
     ├── DiscoveryError           NVML, ld.so.cache, the host's driver files
     │   └── LdCacheFormatError   (also a ValueError) a corrupt ld.so.cache
     ├── ApplyError               a privileged step failed (names the step and path)
@@ -74,6 +77,18 @@ class UnknownDeviceError(RequestError):
     """The container asked for a GPU that this host does not have."""
 
 
+class PolicyError(RequestError):
+    """The per-GPU sharing policy refuses the request."""
+
+
+class BusyError(PolicyError):
+    """Every GPU the request could have is held by other containers as far as its policy allows."""
+
+
+class StateError(GpuHookError):
+    """gpuhook's own state (the lease ledger under state_dir) cannot be read or written."""
+
+
 class DiscoveryError(GpuHookError):
     """The host's driver could not be inventoried."""
 
@@ -110,7 +125,7 @@ class DaemonError(GpuHookError):
 
 _KINDS = {cls.__name__: cls for cls in (
     GpuHookError, ConfigError, UsageError, UnsafeEnvironmentError, SpecError, RequestError, UnknownDeviceError,
-    DiscoveryError, LdCacheFormatError, ApplyError, DaemonError,
+    PolicyError, BusyError, StateError, DiscoveryError, LdCacheFormatError, ApplyError, DaemonError,
 )}
 
 

@@ -4,7 +4,7 @@ Every front-end that is called as a hook goes through here: the Python hook (``g
 prestart``), NVIDIA's hook name (``nvidia-container-runtime-hook``, docker ``--gpus``) and
 gpuhookd for gpuhook-relay's raw calls. The stage a runtime names decides what the call does
 (``STAGES``): ``prestart`` and ``createRuntime`` start (give the container its GPUs),
-``poststop`` stops (releases what a start took: nothing yet), ``poststart`` does nothing.
+``poststop`` stops (releases the container's lease), ``poststart`` does nothing.
 
 Every container start on a hooks.d ``always`` host runs this, GPU or not, so it imports only
 ``os``, ``select``, ``stat``, ``time``, the C JSON scanner and gpuhook's own no-GPU modules: no
@@ -202,6 +202,64 @@ def read_hook_call(args: HookArgs, env: Mapping[str, str], state_bytes: bytes, *
                                         limit=strictjson.SPEC_LIMIT)
     call.asks_gpu = asks_for_gpu(call.spec)
     return call
+
+
+#: Where the lease ledger is when the config does not move state_dir (config.Config's default).
+DEFAULT_STATE_DIR = "/run/gpuhook"
+LEDGER_NAME = "leases.json"
+_DEFAULT_CONFIG = "/etc/gpuhook/config.yaml"
+_SAFE_ID = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+_MAY = True  # the full path decides
+
+
+def lease_may_exist(config_arg: str | None, env: Mapping[str, str], container_id: str) -> bool:
+    """False only when *container_id* certainly holds no lease: a poststop that then costs what a
+    no-GPU prestart costs (no config module, no YAML, no lock).
+
+    The ledger is ``<state_dir>/leases.json``, written whole by rename, so reading it without the
+    lock shows every lease taken before this call. state_dir comes from the config file; this
+    reads it only from the one shape gpuhook writes (a top-level ``state_dir: /path`` line) and
+    leaves every other shape to the full config load.
+    """
+    key = container_id.encode()
+    if not key or not set(key) <= _SAFE_ID:
+        return _MAY  # JSON would escape it: the full path reads the ledger
+    path = config_arg or env.get("GPUHOOK_CONFIG") or _DEFAULT_CONFIG
+    # A named config must exist (the full load says so); the default one may be absent.
+    text = _read_small(path, b"" if path == _DEFAULT_CONFIG else None)
+    state_dir = _flat_state_dir(text) if text is not None else None
+    if state_dir is None:
+        return _MAY
+    ledger = _read_small(f"{state_dir}/{LEDGER_NAME}", b"", limit=-1) if state_dir else b""
+    return ledger is None or b'"container_id": "' + key + b'"' in ledger
+
+
+def _read_small(path: str, missing: bytes | None, *, limit: int = 1 << 20) -> bytes | None:
+    """At most *limit* bytes of *path* (-1: all); *missing* if it does not exist; None if it cannot be read."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(limit)
+    except FileNotFoundError:
+        return missing
+    except OSError:
+        return None
+
+
+def _flat_state_dir(text: bytes) -> str | None:
+    """The config's state_dir ("" for null), when it is written as one plain top-level line; None otherwise."""
+    if b"state_dir" not in text:
+        return DEFAULT_STATE_DIR
+    lines = [line for line in text.splitlines() if b"state_dir" in line]
+    if len(lines) != 1 or not lines[0].startswith(b"state_dir:") or text.count(b"state_dir") != 1:
+        return None
+    value = lines[0][len(b"state_dir:"):].partition(b" #")[0].strip(b" ")
+    if value[:1] in (b'"', b"'") and len(value) > 1 and value[-1:] == value[:1]:
+        value = value[1:-1]
+    if value in (b"", b"~", b"null", b"Null", b"NULL"):
+        return ""
+    if not value.startswith(b"/") or any(c in value for c in b"\\\"'#:{}[],&*!|>%@`\t"):
+        return None
+    return value.decode("utf-8", "replace")
 
 
 def read_bounded(fd: int, *, limit: int, timeout: float = STDIN_TIMEOUT, what: str = STATE_WHAT) -> bytes:

@@ -56,16 +56,36 @@ def containerd_dropin(runtime: str) -> str:
     )
 
 
-def hooks_d_json(hook: str) -> str:
-    """The OCI hooks.d entry (schema 1.0.0) podman and CRI-O read: absolute path, explicit env."""
+#: The hooks.d file of each stage gpuhook registers: schema 1.0.0 runs one entry's ``args`` for
+#: every stage it lists, and the hook learns its stage from its last argument, so each stage needs
+#: a file of its own. ``prestart`` gives a container its GPUs; ``poststop`` releases the GPUs' lease
+#: when the container is deleted.
+HOOKS_D_FILES: Final = {"prestart": "gpuhook.json", "poststop": "gpuhook-poststop.json"}
+PODMAN_HOOKS_D: Final = "/usr/share/containers/oci/hooks.d"
+CRIO_HOOKS_D: Final = "/etc/containers/oci/hooks.d"
+
+
+def hooks_d_json(hook: str, stage: str = "prestart") -> str:
+    """The OCI hooks.d entry (schema 1.0.0) podman and CRI-O read: absolute path, explicit env.
+
+    ``when: always`` for every stage: the poststop of a container that holds no lease is as cheap
+    as the prestart of one that asks for no GPU, and no narrower ``when`` rule can see the
+    environment variables that asked for the GPUs.
+    """
     entry = {
         "version": "1.0.0",
-        "hook": {"path": hook, "args": [hook.rsplit("/", 1)[-1], "prestart"],
+        "hook": {"path": hook, "args": [hook.rsplit("/", 1)[-1], stage],
                  "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]},
         "when": {"always": True},
-        "stages": ["prestart"],
+        "stages": [stage],
     }
     return json.dumps(entry, indent=2) + "\n"
+
+
+def hooks_d_changes(directory: str, hook: str, *, restart: str = "") -> tuple[Change, ...]:
+    """One hooks.d file per stage in HOOKS_D_FILES (prestart's first), all running *hook*."""
+    return tuple(Change(path=f"{directory}/{name}", content=hooks_d_json(hook, stage), restart=restart)
+                 for stage, name in HOOKS_D_FILES.items())
 
 
 def launcher_script(python: str) -> str:
@@ -109,9 +129,7 @@ def changes(engine: str, *, bin_dir: str, current: dict[str, str | None], python
             Change(path="/usr/local/bin/nvidia-container-cli", link_to=f"{bin_dir}/nvidia-container-cli"),
         )
     if engine == "podman":
-        return (*hook_launcher,
-                Change(path="/usr/share/containers/oci/hooks.d/gpuhook.json", content=hooks_d_json(launcher)))
+        return (*hook_launcher, *hooks_d_changes(PODMAN_HOOKS_D, launcher))
     if engine == "crio":
-        return (*hook_launcher, Change(path="/etc/containers/oci/hooks.d/gpuhook.json", content=hooks_d_json(launcher),
-                                       restart="crio (systemctl restart crio)"))
+        return (*hook_launcher, *hooks_d_changes(CRIO_HOOKS_D, launcher, restart="crio (systemctl restart crio)"))
     raise ConfigError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")

@@ -5,11 +5,15 @@ Front-ends (the OCI hook, gpuhookd, ``nvidia-container-cli configure``, the spec
 the only module that imports both discovery (read the host) and apply (change a container),
 and the only one that orders effects:
 
-* ``start``: request → inventory (cached) + live facts → plan → device access → rootfs changes,
-  each effect's undo pushed on one undo stack as soon as the effect exists and unwound, newest
-  first, when a later step fails. What a start will take on the host (leases, MIG instances,
-  MPS daemons: the next issues) goes on the same stack, recorded before it is used.
-* ``stop``: poststop's work (releasing what a start took). Nothing is taken yet, so nothing.
+* ``start``: request → inventory (cached) + live facts → lease (reclaim, allocate under the
+  sharing policy, reserve: one ledger transaction) → plan → device access → rootfs changes →
+  activate, each effect's undo pushed on one undo stack as soon as the effect exists and
+  unwound, newest first, when a later step fails. The lease is recorded before anything is
+  changed in the container, so a crash at any point leaves a record whose holder, once gone,
+  is reclaimed.
+* ``stop``: poststop's work: the container's lease released (its holder has exited).
+* ``status``/``release``/``reclaim_gone``: the ledger for a person (``gpuhook status``,
+  ``gpuhook release``) and for gpuhookd's watch on holders.
 * ``render_*``: the same plan rendered instead of applied (spec edits, CDI, ``plan``).
 """
 
@@ -29,8 +33,9 @@ from gpuhook.apply import ChildForkedAhead, ContainerRef, change_rootfs, grant_d
 from gpuhook.config import Config, HealthPolicy, load_config, resolve_config_path
 from gpuhook.discovery import Found, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
-from gpuhook.errors import GpuHookError, SpecError
-from gpuhook.inventory import Inventory, LiveNeeds
+from gpuhook.errors import GpuHookError, PolicyError, SpecError
+from gpuhook.inventory import Inventory, LiveNeeds, narrow_to_live
+from gpuhook.provision import leases, ledger_store
 from gpuhook.log import configure_logging, get_logger
 from gpuhook.oci.spec import BundleSpec, spec_from_object
 from gpuhook.oci.state import state_from_object
@@ -39,6 +44,9 @@ from gpuhook.planning.plan import Plan
 from gpuhook.planning.planner import Target, live_needs, make_plan, plan_devices
 from gpuhook.request.model import GpuRequest
 from gpuhook.request.parse import parse_request
+from gpuhook.sharing.allocate import allocate
+from gpuhook.sharing.ledger import Lease, Ledger
+from gpuhook.sharing.policy import GpuPolicy
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -59,8 +67,9 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Container:
-    """The container a start changes: its init's host pid and its rootfs as the hook sees it."""
+    """The container a start changes: its id (the OCI state's), its init's host pid, its rootfs as the hook sees it."""
 
+    id: str
     pid: int
     rootfs: Path
 
@@ -105,7 +114,8 @@ def start_hook(config: Config, state_obj: Mapping[str, Any], spec_obj: Mapping[s
             f"the OCI state's pid is {state.pid}, not a host pid; run gpuhook as a prestart or createRuntime hook"
         )
     _log_request(request, **({"daemon": daemon_note} if daemon_note else {}))
-    start(config, request, Container(pid=state.pid, rootfs=spec.rootfs), runtime_devices=spec.runtime_devices,
+    start(config, request, Container(id=state.id, pid=state.pid, rootfs=spec.rootfs),
+          runtime_devices=spec.runtime_devices,
           started=started, ahead=ahead)
 
 
@@ -123,17 +133,31 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
              cache=found.outcome.value, ms=_ms(step))
     if found.not_stored is not None:
         log.warning("inventory_not_cached", reason=found.not_stored)
-    plan = make_plan(request, inventory, found.live, target)
-    _log_plan(plan)
-    step = time.monotonic()
     ref = ContainerRef(pid=container.pid, rootfs=container.rootfs, rootfs_id=rootfs_identity(container.rootfs))
     with opened_container(ref.pid) as pidfd, contextlib.ExitStack() as undo:
         # The undo stack: each effect's undo is pushed as soon as the effect exists; any failure
         # later unwinds them all, newest first (the rootfs child undoes its own changes itself).
+        holder = None
+        if config.state_dir is not None and _holds_devices(request):
+            step = time.monotonic()
+            holder = leases.holder_of(container.pid, pidfd)
+            taken = leases.take(config.state_dir, request, narrow_to_live(inventory, found.live),
+                                config.gpus.resolve(inventory.gpus), container_id=container.id, holder=holder)
+            request = taken.allocation.request
+            undo.callback(leases.drop, config.state_dir, container.id, holder)
+            log.info("lease_reserved", devices=list(taken.allocation.devices), ms=_ms(step),
+                     reclaimed=[lease.container_id for lease in taken.reclaimed])
+        else:
+            request = _allocated(config, request, found, Ledger(), container_id=container.id)
+        plan = make_plan(request, inventory, found.live, target)
+        _log_plan(plan)
+        step = time.monotonic()
         if (ungrant := grant_device_access(plan, ref.pid)) is not None:
             undo.callback(ungrant)
         report = change_rootfs(plan, pidfd, ref, ldconfig=config.ldconfig, timeout=config.timeout_seconds,
                                ahead=ahead)
+        if holder is not None and config.state_dir is not None:
+            leases.activate(config.state_dir, container.id, holder)
         undo.pop_all()  # the start holds: keep every effect
     for what in report.skipped:
         log.warning("apply_skipped", what=what)
@@ -143,17 +167,96 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
 
 
 def start_configure(config: Config, request: GpuRequest, container: Container, *, placement: Placement,
-                    container_id: str, front_end: str) -> None:
+                    front_end: str) -> None:
     """``nvidia-container-cli configure``: a request from argv, for a container named only by pid and rootfs."""
     started = time.monotonic()
-    get_logger().bind(container_id=container_id, pid=container.pid, front_end=front_end)
+    get_logger().bind(container_id=container.id, pid=container.pid, front_end=front_end)
     _log_request(request)
     start(config, request, container, placement=placement, started=started)
 
 
-def stop(config: Config | None, state_obj: Mapping[str, Any]) -> None:
-    """poststop: release what the container's start took. A start takes nothing on the host yet."""
-    del config, state_obj
+def stop(config: Config, state_obj: Mapping[str, Any]) -> None:
+    """poststop: release the container's lease, once its holder (the container's init) has exited.
+
+    A holder that still runs keeps it (a runtime that runs poststop early, or another engine's
+    container of the same id): gpuhookd's watch or the next start's reclaim releases it when it exits.
+    """
+    if config.state_dir is None:
+        return
+    state = state_from_object(state_obj)
+    log = get_logger()
+    log.bind(container_id=state.id, served_by="poststop")
+    released, kept = leases.release_if_gone(config.state_dir, state.id)
+    if released is not None:
+        log.info("lease_released", devices=list(released.devices), why="poststop")
+    elif kept is not None:
+        log.warning("lease_kept", pid=kept.holder.pid, why="its holder still runs; released when it exits")
+
+
+def release(config: Config, container_id: str) -> Lease | None:
+    """``gpuhook release``: drop *container_id*'s lease by hand, whatever its holder does."""
+    if config.state_dir is None:
+        return None
+    lease = leases.release(config.state_dir, container_id)
+    if lease is not None:
+        get_logger().info("lease_released", container_id=container_id, devices=list(lease.devices), why="by hand")
+    return lease
+
+
+def reclaim_gone(config: Config) -> tuple[Ledger, tuple[Lease, ...]]:
+    """The ledger after releasing every lease whose holder is gone; (it, the leases released)."""
+    if config.state_dir is None:
+        return Ledger(), ()
+    ledger, stale = leases.reclaim(config.state_dir)
+    for lease in stale:
+        get_logger().info("lease_released", container_id=lease.container_id, devices=list(lease.devices),
+                          pid=lease.holder.pid, why="holder gone")
+    return ledger, stale
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostStatus:
+    """``gpuhook status``: the GPUs, each one's policy, and the ledger (gone holders reclaimed)."""
+
+    inventory: Inventory
+    policies: Mapping[int, GpuPolicy]
+    ledger: Ledger
+
+
+def status(config: Config) -> HostStatus:
+    """Every GPU with its policy and holders, after reclaiming the leases of gone holders."""
+    found = host_inventory(config)
+    inventory = narrow_to_live(found.inventory, found.live)
+    policies = config.gpus.resolve(inventory.gpus)
+    return HostStatus(inventory=inventory, policies=policies, ledger=reclaim_gone(config)[0])
+
+
+def _holds_devices(request: GpuRequest) -> bool:
+    """Whether *request* can hold a device (``none`` holds none, and takes no lease)."""
+    return request.all_devices or request.count is not None or bool(request.devices)
+
+
+def _allocated(config: Config, request: GpuRequest, found: Found, ledger: Ledger, *, container_id: str) -> GpuRequest:
+    """*request* placed against *ledger* without leasing (state_dir null, or a dry run): ``count`` resolved."""
+    if request.count is None:
+        return request
+    from datetime import UTC, datetime
+
+    inventory = narrow_to_live(found.inventory, found.live)
+    return allocate(request, inventory, config.gpus.resolve(inventory.gpus), ledger, container_id=container_id,
+                    now=datetime.now(UTC)).request
+
+
+def _refuse_unleased(config: Config, request: GpuRequest, inventory: Inventory) -> None:
+    """Spec edits run before the container exists, so they take no lease: refuse what needs one."""
+    from gpuhook.planning.select import select_devices
+
+    policies = config.gpus.resolve(inventory.gpus)
+    if request.count is not None or any(policies[g.index].limit is not None
+                                        for g in select_devices(request, inventory).parents(inventory)):
+        raise PolicyError(f"{request.source}={request.raw!r}: a GPU with a sharing limit, or 'any'/'count=N', is "
+                          "leased when the container starts, and a spec edit runs before it exists. Fix: register "
+                          "gpuhook as a prestart hook (and poststop) for these containers")
 
 
 def update_ldcache_in(config: Config, rootfs: Path, dirs: Sequence[str]) -> None:
@@ -207,7 +310,10 @@ def render_plan(config: Config, spec: BundleSpec) -> tuple[GpuRequest, Plan] | N
         return None
     target = _target(spec.rootfs, config, Placement(), spec.runtime_devices)
     found = inventory_for(config, live_needs(request, target))
-    return request, make_plan(request, found.inventory, found.live, target)
+    # What a start would pick now, against the ledger as it is (nothing is leased).
+    ledger = ledger_store.read(config.state_dir) if config.state_dir is not None else Ledger()
+    placed = _allocated(config, request, found, ledger, container_id="")
+    return placed, make_plan(placed, found.inventory, found.live, target)
 
 
 def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec) -> Mapping[str, Any]:
@@ -218,6 +324,7 @@ def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec) -
     if request is None:
         return raw
     found = inventory_for(config, live_needs(request))
+    _refuse_unleased(config, request, found.inventory)
     return add_devices(raw, plan_devices(request, found.inventory, found.live).devices)
 
 

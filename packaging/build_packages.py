@@ -153,6 +153,7 @@ def man_page(stage: Path, name: str, summary: str, ver: str) -> None:
             f".SH NAME\n{name} \\- {summary}\n"
             f".SH SYNOPSIS\n.nf\n{body}\n.fi\n"
             ".SH FILES\n/etc/gpuhook/config.yaml, /usr/share/containers/oci/hooks.d/gpuhook.json,\n"
+            "/usr/share/containers/oci/hooks.d/gpuhook-poststop.json,\n"
             "/var/log/gpuhook.log, /run/gpuhook, /run/gpuhook/gpuhookd.sock (gpuhookd.socket, gpuhookd.service)\n"
             ".SH SEE ALSO\n/usr/share/doc/gpuhook/README.md\n")
     target = stage / "usr/share/man/man1" / f"{name}.1.gz"

@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument("--request-timeout", type=float, default=120.0, metavar="SECONDS",
                         help="kill a request's worker after this long (default 120)")
     commands.add_parser("doctor", help="check the driver, ldconfig and device-cgroup set-up; say how to fix")
+    status = commands.add_parser("status", help="every GPU, its sharing policy and the containers holding it")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    release = commands.add_parser("release", help="drop a container's GPU lease by hand (its holder may still run)")
+    release.add_argument("container_id", metavar="CONTAINER_ID", help="the container's id (`gpuhook status`)")
     info = commands.add_parser("info", help="the host's driver and GPUs")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--refresh", action="store_true", help="rebuild the inventory cache from NVML (and print)")
@@ -174,6 +178,14 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
             bin_dir = Path(args.bin_dir) if args.bin_dir else Path(sys.executable).parent
             return run_install(args.runtime, dry_run=args.dry_run, root=Path(args.root), bin_dir=bin_dir,
                                python=sys.executable)
+        case "status":
+            from gpuhook.cli import status
+
+            return status.run_status(config, debug, env, as_json=args.json)
+        case "release":
+            from gpuhook.cli import status
+
+            return status.run_release(config, debug, env, args.container_id)
         case "plan":
             from gpuhook.cli import inspect
 

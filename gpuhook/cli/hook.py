@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from gpuhook.hookcall import NOTHING, START, read_bounded, read_hook_call
+from gpuhook.hookcall import NOTHING, START, lease_may_exist, read_bounded, read_hook_call
 from gpuhook.oci import strictjson
 
 TYPE_CHECKING = False
@@ -32,10 +32,20 @@ def run_hook(args: HookArgs, stdin_fd: int, env: Mapping[str, str]) -> int:
     if args.action == NOTHING or (args.action == START and not call.asks_gpu):
         return 0
     if args.action != START:
-        # poststop: service.stop releases nothing yet (a start takes nothing on the host), and
-        # importing the service would cost every container's stop the whole GPU path's imports.
-        return 0
+        return _stop(call)
     return _start(call)
+
+
+def _stop(call: HookCall) -> int:
+    """poststop: release the container's lease; a container that holds none costs no more than a no-GPU start."""
+    container_id = call.state.get("id")
+    if isinstance(container_id, str) and not lease_may_exist(call.args.config, call.env, container_id):
+        return 0
+    from gpuhook import service
+
+    config = service.load_settings(call.args.config, call.args.debug, call.env)
+    service.stop(config, call.state)
+    return 0
 
 
 def _start(call: HookCall) -> int:

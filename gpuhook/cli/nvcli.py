@@ -169,6 +169,7 @@ def translate_configure(args: Sequence[str]) -> Configure:
     request = GpuRequest(
         all_devices=devices is not None and devices.all_devices,
         devices=devices.devices if devices is not None else (),
+        count=devices.count if devices is not None else None,
         capabilities=frozenset(Capability(cap) for cap in CAPABILITY_FLAGS if getattr(ns, cap)),
         requirements=requirements,
         imex_channels=_imex_channels(ns.imex_channel),
@@ -264,10 +265,11 @@ def run_configure(call: Configure, debug: bool, env: Mapping[str, str]) -> int:
     settle_process()
     config = service.load_settings(None, debug, env)  # --root is ignored: the driver root is gpuhook's config
     # containerd puts the rootfs at <state>/<namespace>/<id>/rootfs, so its parent names the container.
-    service.start_configure(config, call.request, service.Container(pid=call.pid, rootfs=call.rootfs),
+    container = service.Container(id=call.rootfs.parent.name, pid=call.pid, rootfs=call.rootfs)
+    service.start_configure(config, call.request, container,
                             placement=service.Placement(manage_cgroups=not call.no_cgroups,
                                                         cuda_compat=call.cuda_compat),
-                            container_id=call.rootfs.parent.name, front_end=PROG)
+                            front_end=PROG)
     return 0
 
 

@@ -4,8 +4,9 @@ For ``docker run --runtime gpuhook`` (daemon.json ``runtimes``) and any engine
 that takes a runtime path. On ``create`` or ``run`` it writes the requested
 GPU devices and their rules into ``<bundle>/config.json`` (so the runtime owns
 them: see ``planning/specedit.py``) and adds gpuhook's prestart hook for the
-mounts and ld.so.cache; every other command passes straight through. The
-config comes from ``$GPUHOOK_CONFIG`` or ``/etc/gpuhook/config.yaml``.
+mounts and ld.so.cache, and its poststop hook, which releases the GPUs' lease
+when the container is deleted; every other command passes straight through.
+The config comes from ``$GPUHOOK_CONFIG`` or ``/etc/gpuhook/config.yaml``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from gpuhook.hookcall import check_environment
 #: Trusted locations only: the wrapper runs as root and must not pick a runtime from a daemon's PATH.
 RUNTIME_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOOK_ENV: Final = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
+#: The stages the wrapper registers gpuhook's hook for: the start that gives the GPUs, and the
+#: deletion that releases their lease.
+HOOK_STAGES: Final = ("prestart", "poststop")
 
 
 def bundle_of(argv: Sequence[str]) -> Path | None:
@@ -50,17 +54,24 @@ def engine_environment(env: Mapping[str, str]) -> dict[str, str]:
             if not (key == "LD_LIBRARY_PATH" and set(value.split(":")) <= CONTAINERD_LIBRARY_PATH)}
 
 
-def hook_entry(config: str | None) -> dict[str, Any]:
-    """gpuhook's prestart hook as this interpreter runs it (absolute path, isolated, explicit env)."""
-    args = [sys.executable, "-I", "-m", "gpuhook", *(["--config", config] if config else []), "prestart"]
+def hook_entry(config: str | None, stage: str = "prestart") -> dict[str, Any]:
+    """gpuhook's hook for *stage* as this interpreter runs it (absolute path, isolated, explicit env)."""
+    args = [sys.executable, "-I", "-m", "gpuhook", *(["--config", config] if config else []), stage]
     return {"path": sys.executable, "args": args, "env": HOOK_ENV}
 
 
-def add_hook(spec: dict[str, Any], hook: dict[str, Any]) -> dict[str, Any]:
-    """*spec* with *hook* first among the prestart hooks (once)."""
-    prestart = spec.setdefault("hooks", {}).setdefault("prestart", [])
-    if hook not in prestart:
-        prestart.insert(0, hook)
+def add_hook(spec: dict[str, Any], hook: dict[str, Any], stage: str = "prestart") -> dict[str, Any]:
+    """*spec* with *hook* first among the *stage* hooks (once)."""
+    hooks = spec.setdefault("hooks", {}).setdefault(stage, [])
+    if hook not in hooks:
+        hooks.insert(0, hook)
+    return spec
+
+
+def add_hooks(spec: dict[str, Any], config: str | None) -> dict[str, Any]:
+    """*spec* with gpuhook's hook first among the hooks of each of HOOK_STAGES (once each)."""
+    for stage in HOOK_STAGES:
+        add_hook(spec, hook_entry(config, stage), stage)
     return spec
 
 
@@ -98,4 +109,4 @@ def _edit(bundle: Path, config: str | None) -> None:
     settings = service.load_settings(config, False, os.environ)
     edited = service.render_spec_edit(settings, raw, spec_from_object(raw, bundle))
     if edited is not raw:
-        write_spec(path, add_hook(dict(edited), hook_entry(config)))
+        write_spec(path, add_hooks(dict(edited), config))

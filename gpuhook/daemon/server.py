@@ -197,17 +197,21 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int],  # noqa: PLR0911 - 
                 f"gpuhookd runs gpuhook {__version__}, the hook {version} (restart gpuhookd after an upgrade)")
     try:
         call = hookcall.read_hook_call(args, env, state_bytes, spec_bytes=spec_bytes, root_fd=fds[4])
-        if args.action == hookcall.STOP:
-            service.stop(None, call.state)
     except GpuHookError as err:
         return b"done", 1, report_failure(err) + "\n"
-    if args.action != hookcall.START or not call.asks_gpu:
+    if args.action == hookcall.NOTHING or (args.action == hookcall.START and not call.asks_gpu):
         return b"done", 0, ""
-    # The GPU work reads settings, the log file and the driver roots from a config: the daemon's.
+    # The GPU work (and a stop's ledger) reads settings, the log file and the roots from a config: the daemon's.
     theirs = str(resolve_config_path(args.config, env)[0])
     reason = trust.check_config(theirs, config.path)
     if reason:
         return b"declined", 0, reason  # the hook then works with its own config, and its own power
+    if args.action == hookcall.STOP:  # the ledger is the daemon's own: no need to enter the hook's view
+        try:
+            service.stop(config.load(args.debug), call.state)
+        except GpuHookError as err:
+            return b"done", 1, report_failure(err) + "\n"
+        return b"done", 0, ""
     # A caller that passed the checks could act on any process itself: a state naming a host process
     # is refused here, as the in-process start refuses it, not handed back (nothing is gained by that).
     reason = trust.check_container(call.state.get("pid"), fds[0])

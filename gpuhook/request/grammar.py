@@ -38,12 +38,13 @@ _GPU_UUID_RE: Final = re.compile(rf"GPU-{_UUID}")
 _MIG_UUID_RE: Final = re.compile(rf"MIG-{_UUID}|MIG-GPU-{_UUID}/[0-9]{{1,4}}/[0-9]{{1,4}}")
 _MIG_INDEX_RE: Final = re.compile(r"([0-9]{1,4}):([0-9]{1,4})")
 _CHANNEL_RE: Final = re.compile(r"[0-9]{1,7}")
+_COUNT_RE: Final = re.compile(r"count=([1-9][0-9]{0,3})")
 
 #: IMEX channel ids are below 2^20 (the driver's NVIDIA_IMEX_CHANNEL_MAX).
 MAX_IMEX_CHANNEL: Final = 1 << 20
 
 ACCEPTED_FORMS: Final = (
-    "'all', 'none', 'void', or a comma-separated list of GPU indices (0,1), "
+    "'all', 'none', 'void', 'any', 'count=N' (N free GPUs), or a comma-separated list of GPU indices (0,1), "
     "GPU UUIDs (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx), MIG UUIDs (MIG-…) or MIG indices (0:1)"
 )
 
@@ -54,6 +55,8 @@ class Keyword(enum.StrEnum):
     ALL = "all"
     NONE = "none"
     VOID = "void"
+    #: one free GPU: ``count=1``
+    ANY = "any"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,16 @@ class ChannelId:
 
     def __str__(self) -> str:
         return str(self.channel)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuCount:
+    """``count=N``: N GPUs that are free under their sharing policies, picked at the start."""
+
+    count: int
+
+    def __str__(self) -> str:
+        return f"count={self.count}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +99,7 @@ class Unknown:
         return self.text
 
 
-DeviceToken = Keyword | DeviceId | CdiName | Unknown
+DeviceToken = Keyword | DeviceId | GpuCount | CdiName | Unknown
 ChannelToken = Keyword | ChannelId | Unknown
 
 _DEVICE_KEYWORDS: Final = {k.value: k for k in Keyword}
@@ -96,15 +109,17 @@ _DEVICE_FORMS: Final[tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], Devi
     (_GPU_UUID_RE, lambda m: GpuUuid(m[0])),
     (_MIG_UUID_RE, lambda m: MigUuid(m[0])),
     (_MIG_INDEX_RE, lambda m: MigIndex(int(m[1]), int(m[2]))),
+    (_COUNT_RE, lambda m: GpuCount(int(m[1]))),
 )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceList:
-    """A decoded device list: every GPU (``all``), or exactly ``devices`` (none for ``none``)."""
+    """A decoded device list: every GPU (``all``), ``count`` free GPUs, or exactly ``devices`` (none for ``none``)."""
 
     all_devices: bool
     devices: tuple[DeviceId, ...]
+    count: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,7 +149,9 @@ def decode_devices(raw: str, *, source: str) -> DeviceList | None:
     """A device list with NVIDIA's semantics, or None for void (unset-equivalent).
 
     Empty or ``void`` anywhere is None; otherwise the first of ``all``/``none``
-    decides; otherwise every entry must be a device id (duplicates dropped).
+    decides; otherwise ``any`` or ``count=N`` must stand alone (gpuhook's: which GPUs is
+    decided at the start, under the sharing policy); otherwise every entry must be a device id
+    (duplicates dropped).
     """
     tokens = [device_token(entry) for entry in entries(raw)]
     if not tokens or Keyword.VOID in tokens:
@@ -143,6 +160,13 @@ def decode_devices(raw: str, *, source: str) -> DeviceList | None:
         if token is Keyword.ALL or token is Keyword.NONE:
             # NVIDIA: the first of all/none encountered decides, whatever else is listed.
             return DeviceList(all_devices=token is Keyword.ALL, devices=())
+    counts = [1 if token is Keyword.ANY else token.count for token in tokens
+              if token is Keyword.ANY or isinstance(token, GpuCount)]
+    if counts:
+        if len(tokens) > 1:
+            raise RequestError(f"{source}={raw!r}: 'any' and 'count=N' stand for the whole list; expected one of them "
+                               "alone, or a list of GPU indices or UUIDs")
+        return DeviceList(all_devices=False, devices=(), count=counts[0])
     ids: list[DeviceId] = []
     for token in tokens:
         match token:

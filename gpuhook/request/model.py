@@ -82,7 +82,10 @@ class RequestSource(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GpuRequest:
-    """A container's resolved request; ``all_devices`` or the listed ``devices``.
+    """A container's resolved request; ``all_devices``, ``count`` free GPUs, or the listed ``devices``.
+
+    A ``count`` request is placed at the start (``sharing.allocate``), which turns it into the
+    listed GPUs it picked before anything is planned.
 
     ``NVIDIA_VISIBLE_DEVICES=none`` is a request with no devices: the driver's
     files and control nodes are injected, no ``/dev/nvidiaN``.
@@ -91,6 +94,8 @@ class GpuRequest:
     all_devices: bool
     devices: tuple[DeviceId, ...]
     capabilities: frozenset[Capability]
+    #: ``count=N`` / ``any``: this many GPUs free under their policies (devices is then empty)
+    count: int | None = None
     requirements: tuple[Requirement, ...] = ()
     #: NVIDIA_IMEX_CHANNELS: channel ids for /dev/nvidia-caps-imex-channels/channelN
     imex_channels: tuple[int, ...] = ()

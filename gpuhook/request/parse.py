@@ -57,6 +57,7 @@ def parse_request(
     return GpuRequest(
         all_devices=devices.all_devices,
         devices=devices.devices,
+        count=devices.count,
         capabilities=parse_capabilities(env.get(DRIVER_CAPABILITIES), legacy=legacy),
         requirements=parse_requirements(env, legacy=legacy),
         imex_channels=_imex_channels(env) if spec.privileged or accept_envvar_when_unprivileged else (),

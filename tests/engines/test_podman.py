@@ -1,4 +1,4 @@
-"""gpuhook under real podman 4.3: the shipped hooks.d file, and the CDI spec ``gpuhook cdi generate`` writes."""
+"""gpuhook under real podman 4.3: the shipped hooks.d files, and the CDI spec ``gpuhook cdi generate`` writes."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from integration.rootfs import build_rootfs, copy_rootfs
 
 REPO = Path(__file__).parents[2]
 SHIPPED_HOOK = REPO / "packaging" / "oci-hooks.d" / "gpuhook.json"
+SHIPPED_POSTSTOP = REPO / "packaging" / "oci-hooks.d" / "gpuhook-poststop.json"
 # podman 4.3.1 reads CDI specs only from /etc/cdi and /var/run/cdi: its containers.conf has no
 # cdi_spec_dirs yet (that came with podman 4.5) and `run` no flag for it.
 CDI_DIR: Final = Path("/var/run/cdi")
@@ -116,6 +117,42 @@ def test_shipped_hooks_d_file_leaves_other_containers_alone(podman: Podman, hook
                     hooks_dir=hooks_dir)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "0"
+
+
+def test_shipped_poststop_file_runs_at_deletion(podman: Podman, hooks_dir: Path, host: FakeHost,
+                                               tmp_path: Path) -> None:
+    """Both shipped files in one hooks.d: the GPU container gets its GPU from gpuhook.json's prestart,
+    and at its deletion podman runs gpuhook-poststop.json's hook once, with stage ``poststop`` and the
+    stopped container's state; gpuhook's poststop exits 0.
+
+    The poststop entry's path is a spy that records what it was given, then runs gpuhook with the
+    same stage and state.
+    """
+    shipped = json.loads(SHIPPED_HOOK.read_text())
+    argv = [sys.executable, "-I", "-m", "gpuhook", "--config", str(host.config_path), "prestart"]
+    (hooks_dir / "gpuhook.json").write_text(json.dumps({**shipped, "hook": {**shipped["hook"], "path": sys.executable,
+                                                                             "args": argv}}))
+    poststop = json.loads(SHIPPED_POSTSTOP.read_text())
+    assert (poststop["when"], poststop["stages"], poststop["hook"]["args"][-1]) == (
+        {"always": True}, ["poststop"], "poststop")
+    assert {k: v for k, v in poststop["hook"].items() if k != "args"} == \
+        {k: v for k, v in shipped["hook"].items() if k != "args"}
+    record = tmp_path / "poststop"
+    spy = tmp_path / "poststop-spy"
+    spy.write_text(f"#!/bin/sh\ncat > {record}.state\necho \"$*\" >> {record}.args\n"
+                   f"{sys.executable} -I -m gpuhook --config {host.config_path} \"$@\" < {record}.state\n"
+                   f"echo $? >> {record}.rc\n")
+    spy.chmod(0o755)
+    hook = {**poststop["hook"], "path": str(spy), "args": [str(spy), *poststop["hook"]["args"][1:]]}
+    (hooks_dir / "gpuhook-poststop.json").write_text(json.dumps({**poststop, "hook": hook}))
+    result = podman(*RUN, "-e", "NVIDIA_VISIBLE_DEVICES=1", "--rootfs", str(podman.rootfs()),
+                    "/bin/sh", "-c", PROBE, hooks_dir=hooks_dir)
+    assert result.returncode == 0, result.stderr
+    assert "/dev/nvidia1 ENXIO" in lines(result.stdout)
+    assert Path(f"{record}.args").read_text() == "poststop\n"
+    assert Path(f"{record}.rc").read_text() == "0\n"
+    state = json.loads(Path(f"{record}.state").read_text())
+    assert state["status"] == "stopped" and state["id"], state
 
 
 @pytest.fixture(scope="module")

@@ -354,8 +354,13 @@ def check_info(installed: InstalledRoot) -> None:
 
 
 def check_gpu_containers(installed: InstalledRoot) -> None:
-    """Real `runc run`s with the hook as registered by the package (hooks.d JSON, docker's hook name)."""
-    registered = json.loads((installed.root / "usr/share/containers/oci/hooks.d/gpuhook.json").read_text())["hook"]
+    """Real `runc run`s with the hook as registered by the package (hooks.d JSON, docker's hook name);
+    the package registers the same hook for poststop, in a hooks.d file of its own."""
+    hooks_d = installed.root / "usr/share/containers/oci/hooks.d"
+    registered = json.loads((hooks_d / "gpuhook.json").read_text())["hook"]
+    poststop = json.loads((hooks_d / "gpuhook-poststop.json").read_text())
+    assert (poststop["stages"], poststop["when"]) == (["poststop"], {"always": True})
+    assert poststop["hook"] == {**registered, "args": [*registered["args"][:-1], "poststop"]}
     docker_style = {"path": "/usr/bin/nvidia-container-runtime-hook", "args": ["nvidia-container-runtime-hook",
                     "prestart"], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
     for name, hook in (("hooksd", registered), ("nvidia", docker_style)):

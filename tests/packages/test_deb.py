@@ -71,7 +71,8 @@ def test_deb_contents(packages: Packages) -> None:
     assert {
         "/usr/bin/gpuhook", "/usr/bin/nvidia-container-runtime-hook", "/usr/bin/nvidia-container-toolkit",
         "/usr/bin/nvidia-container-cli", "/usr/bin/gpuhook-runtime", "/etc/gpuhook/config.yaml",
-        "/usr/share/containers/oci/hooks.d/gpuhook.json", "/usr/lib/systemd/system/gpuhook-cdi-refresh.path",
+        "/usr/share/containers/oci/hooks.d/gpuhook.json", "/usr/share/containers/oci/hooks.d/gpuhook-poststop.json",
+        "/usr/lib/systemd/system/gpuhook-cdi-refresh.path",
         "/usr/lib/systemd/system/gpuhook-cdi-refresh.service", "/usr/lib/udev/rules.d/71-gpuhook-cdi-refresh.rules",
         "/usr/lib/systemd/system/gpuhookd.socket", "/usr/lib/systemd/system/gpuhookd.service",
         "/usr/share/man/man1/gpuhook.1.gz", "/usr/share/doc/gpuhook/changelog.gz",

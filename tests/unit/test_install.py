@@ -1,19 +1,24 @@
-"""gpuhook install: the exact change per engine, idempotent, with backups; the shipped k8s files parse."""
+"""gpuhook install: the exact change per engine, idempotent, with backups; the shipped k8s files parse;
+gpuhook-runtime's hooks."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from gpuhook.cli import runtime
 from gpuhook.cli.install import run_install
 from gpuhook.errors import ConfigError
-from gpuhook.install import changes, docker_daemon_json
+from gpuhook.install import HOOKS_D_FILES, changes, docker_daemon_json
+from integration.fakehost import FakeHost
 
 BIN = "/usr/lib/gpuhook/bin"
 PACKAGING = Path(__file__).parents[2] / "packaging"
+HOOKS_D = {"podman": "/usr/share/containers/oci/hooks.d", "crio": "/etc/containers/oci/hooks.d"}
 
 
 def test_docker_dry_run_then_real_run_then_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -49,18 +54,57 @@ def test_other_engines_are_idempotent(engine: str, tmp_path: Path, capsys: pytes
 
 
 def test_hooks_d_entry_is_safe_and_matches_the_shipped_file() -> None:
-    """An absolute path and a non-empty env (NVIDIAScape); the shipped packaging file (the package has
-    gpuhook-relay) says the same."""
-    (change,) = changes("podman", bin_dir=BIN, current={}, relay=True)
-    hook = json.loads(change.content or "")
-    assert hook["hook"]["path"].startswith("/") and hook["hook"]["env"]
-    assert hook == json.loads((PACKAGING / "oci-hooks.d/gpuhook.json").read_text())
+    """An absolute path and a non-empty env (NVIDIAScape); the shipped packaging files (the package has
+    gpuhook-relay) say the same, one per stage."""
+    wanted = changes("podman", bin_dir=BIN, current={}, relay=True)
+    assert [c.path.rsplit("/", 1)[-1] for c in wanted] == ["gpuhook.json", "gpuhook-poststop.json"]
+    for change in wanted:
+        hook = json.loads(change.content or "")
+        assert hook["hook"]["path"].startswith("/") and hook["hook"]["env"]
+        assert hook == json.loads((PACKAGING / "oci-hooks.d" / change.path.rsplit("/", 1)[-1]).read_text())
+    assert sorted(p.name for p in (PACKAGING / "oci-hooks.d").iterdir()) == sorted(HOOKS_D_FILES.values())
+
+
+@pytest.mark.parametrize("engine", ["podman", "crio"])
+@pytest.mark.parametrize("relay", [False, True])
+def test_hooks_d_registers_prestart_and_poststop(engine: str, relay: bool) -> None:
+    """gpuhook.json runs the hook for prestart, gpuhook-poststop.json the same hook for poststop: one
+    stage per file (schema 1.0.0 gives an entry's stages one argv), every container."""
+    entries = {c.path: json.loads(c.content or "") for c in changes(engine, bin_dir=BIN, current={}, relay=relay)}
+    prestart = entries.pop(f"{HOOKS_D[engine]}/gpuhook.json")
+    poststop = entries.pop(f"{HOOKS_D[engine]}/gpuhook-poststop.json")
+    assert not entries
+    assert (prestart["stages"], prestart["hook"]["args"][-1]) == (["prestart"], "prestart")
+    assert (poststop["stages"], poststop["hook"]["args"][-1]) == (["poststop"], "poststop")
+    assert poststop["when"] == prestart["when"] == {"always": True}
+    assert poststop["hook"]["path"] == prestart["hook"]["path"]
+    assert poststop["hook"]["args"][:-1] == prestart["hook"]["args"][:-1]
+    assert poststop["hook"]["env"] == prestart["hook"]["env"]
+
+
+@pytest.mark.parametrize("engine", ["podman", "crio"])
+def test_an_older_install_gets_only_the_poststop_file(engine: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A host registered before poststop was: installing again adds gpuhook-poststop.json and leaves
+    gpuhook.json as it is (no backup of an unchanged file); a third run changes nothing."""
+    prestart = next(c for c in changes(engine, bin_dir=BIN, current={}) if c.path.endswith("/gpuhook.json"))
+    old = tmp_path / prestart.path.lstrip("/")
+    old.parent.mkdir(parents=True)
+    old.write_text(prestart.content or "")
+    run_install(engine, dry_run=False, root=tmp_path, bin_dir=Path(BIN))
+    out = capsys.readouterr().out
+    assert "changed 1 file(s)" in out and "gpuhook-poststop.json" in out
+    assert sorted(p.name for p in old.parent.iterdir()) == ["gpuhook-poststop.json", "gpuhook.json"]
+    poststop = json.loads((old.parent / "gpuhook-poststop.json").read_text())
+    assert poststop["stages"] == ["poststop"] and poststop["hook"]["args"][-1] == "poststop"
+    run_install(engine, dry_run=False, root=tmp_path, bin_dir=Path(BIN))
+    assert "nothing to change" in capsys.readouterr().out
 
 
 def test_with_the_relays_installed_engines_run_them() -> None:
     """The packages' layout: hooks.d runs bin/gpuhook-relay, docker --gpus libexec's relay under NVIDIA's name."""
-    (hooks_d,) = changes("podman", bin_dir=BIN, current={}, relay=True)
-    assert json.loads(hooks_d.content or "")["hook"]["path"] == f"{BIN}/gpuhook-relay"
+    for hooks_d in changes("podman", bin_dir=BIN, current={}, relay=True):
+        assert json.loads(hooks_d.content or "")["hook"]["path"] == f"{BIN}/gpuhook-relay"
     link = next(c for c in changes("docker", bin_dir=BIN, current={}, relay=True) if c.link_to)
     assert link.link_to == "/usr/lib/gpuhook/libexec/nvidia-container-runtime-hook"
 
@@ -89,3 +133,41 @@ def test_kubernetes_files_parse_and_agree() -> None:
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
     host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
     assert host_paths[next(n for n, p in mounts.items() if p == "/run/gpuhook")] == "/run/gpuhook"
+
+
+def test_runtime_wrapper_adds_prestart_and_poststop_once() -> None:
+    """gpuhook-runtime's hooks: first among prestart and among poststop, the same argv but the stage;
+    the spec's own hooks kept behind them; a second pass adds nothing."""
+    other = {"path": "/usr/bin/true", "args": ["true"]}
+    spec: dict[str, object] = {"hooks": {"poststop": [other], "poststart": [other]}}
+    runtime.add_hooks(spec, "/etc/gpuhook/other.yaml")
+    once = json.loads(json.dumps(spec))
+    runtime.add_hooks(spec, "/etc/gpuhook/other.yaml")
+    assert spec == once
+    hooks = once["hooks"]
+    assert hooks["poststart"] == [other]
+    assert hooks["poststop"][1:] == [other] and len(hooks["prestart"]) == 1
+    (prestart, poststop) = hooks["prestart"][0], hooks["poststop"][0]
+    assert prestart["args"] == [sys.executable, "-I", "-m", "gpuhook", "--config", "/etc/gpuhook/other.yaml",
+                                "prestart"]
+    assert poststop == {**prestart, "args": [*prestart["args"][:-1], "poststop"]}
+    assert poststop["path"] == sys.executable and poststop["env"] == runtime.HOOK_ENV
+
+
+def test_runtime_wrapper_edit_registers_poststop(tmp_path: Path, host: FakeHost) -> None:
+    """A GPU container's config.json as the wrapper leaves it: the devices, one prestart and one poststop
+    hook of gpuhook's, even when the bundle is edited twice; a container without GPUs gets neither."""
+    gpu, plain = tmp_path / "gpu", tmp_path / "plain"
+    for bundle, env in ((gpu, "NVIDIA_VISIBLE_DEVICES=1"), (plain, "PATH=/bin")):
+        (bundle / "rootfs").mkdir(parents=True)
+        (bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"},
+                                                        "process": {"args": ["true"], "cwd": "/", "env": [env]}}))
+    for _ in range(2):
+        runtime._edit(gpu, str(host.config_path))
+    edited = json.loads((gpu / "config.json").read_text())
+    assert [[h["args"][-1] for h in edited["hooks"][stage]] for stage in ("prestart", "poststop")] == \
+        [["prestart"], ["poststop"]]
+    assert "/dev/nvidia1" in {d["path"] for d in edited["linux"]["devices"]}
+    before = (plain / "config.json").read_text()
+    runtime._edit(plain, str(host.config_path))
+    assert (plain / "config.json").read_text() == before

@@ -1,0 +1,89 @@
+"""``gpuhook status [--json]`` and ``gpuhook release CONTAINER_ID``: the lease ledger for a person."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from gpuhook import service
+from gpuhook.errors import StateError
+from gpuhook.inventory import Gpu
+from gpuhook.sharing.ledger import Lease, age
+
+
+def run_status(config_arg: str | None, debug: bool, env: Mapping[str, str], *, as_json: bool) -> int:
+    """Print every GPU, its policy and its holders (after reclaiming the leases of gone holders)."""
+    config = service.load_settings(config_arg, debug, env)
+    report = service.status(config)
+    data = status_object(report)
+    if as_json:
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(status_text(data, leasing=config.state_dir is not None))
+    return 0
+
+
+def run_release(config_arg: str | None, debug: bool, env: Mapping[str, str], container_id: str) -> int:
+    """Drop *container_id*'s lease by hand; say what it held."""
+    config = service.load_settings(config_arg, debug, env)
+    if config.state_dir is None:
+        raise StateError("state_dir is null in the config: gpuhook keeps no leases, so there is none to release")
+    lease = service.release(config, container_id)
+    if lease is None:
+        raise StateError(f"container {container_id!r} holds no lease (see `gpuhook status`)")
+    print(f"released {container_id}: {', '.join(lease.devices)} (pid {lease.holder.pid}, since {lease.since})")
+    return 0
+
+
+def status_object(report: service.HostStatus) -> dict[str, Any]:
+    """The JSON shape: ``{"gpus": [{"index", "uuid", "model", "sharing", "replicas", ..., "holders": [...]}]}``."""
+    inventory, ledger = report.inventory, report.ledger
+    gpus = []
+    for gpu in inventory.gpus:
+        policy = report.policies[gpu.index]
+        migs = {m.uuid.casefold(): m for m in inventory.mig_devices if m.parent_index == gpu.index}
+        holders = [_holder(lease, gpu, migs) for lease in ledger.leases
+                   if any(d.casefold() in migs or d.casefold() == gpu.uuid.casefold() for d in lease.devices)]
+        gpus.append({
+            "index": gpu.index, "uuid": gpu.uuid, "model": gpu.model, "pci_bus_id": gpu.pci_bus_id,
+            "sharing": policy.sharing.value, "replicas": policy.replicas,
+            "capabilities": sorted(policy.capabilities) if policy.capabilities is not None else None,
+            "holders": holders,
+        })
+    return {"gpus": gpus}
+
+
+def _holder(lease: Lease, gpu: Gpu, migs: Mapping[str, Any]) -> dict[str, Any]:
+    mig = [d for d in lease.devices if d.casefold() in migs]
+    return {"container_id": lease.container_id, "pid": lease.holder.pid, "since": lease.since,
+            "state": lease.state.value, "whole_gpu": any(d.casefold() == gpu.uuid.casefold() for d in lease.devices),
+            "mig_uuids": mig}
+
+
+def status_text(data: Mapping[str, Any], *, leasing: bool) -> str:
+    """One row per GPU, one line per further holder: readable at a glance."""
+    now = datetime.now(UTC)
+    rows = [("GPU", "UUID", "MODEL", "POLICY", "HOLDERS")]
+    for gpu in data["gpus"]:
+        policy = gpu["sharing"] + (f" ({gpu['replicas']})" if gpu["replicas"] is not None else "")
+        if gpu["capabilities"] is not None:
+            policy += f" [{','.join(gpu['capabilities'])}]"
+        holders = [_holder_text(h, now) for h in gpu["holders"]] or ["-"]
+        rows.append((str(gpu["index"]), gpu["uuid"], gpu["model"], policy, holders[0]))
+        rows += [("", "", "", "", more) for more in holders[1:]]
+    widths = [max(len(row[n]) for row in rows) for n in range(4)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4]
+             for row in rows]
+    if not leasing:
+        lines.append("(state_dir is null: gpuhook keeps no leases, so no holders are known)")
+    return "\n".join(lines) + "\n"
+
+
+def _holder_text(holder: Mapping[str, Any], now: datetime) -> str:
+    what = "" if holder["whole_gpu"] else f" MIG {','.join(holder['mig_uuids'])}"
+    starting = ", starting" if holder["state"] == "reserved" else ""
+    return f"{holder['container_id']} (pid {holder['pid']}, {age(holder['since'], now)}{starting}){what}"

@@ -1,0 +1,134 @@
+"""The lease ledger on disk: ``leases.json`` in state_dir, changed only under ``leases.lock``.
+
+Every change is a compare-and-swap: take the lock (flock, so a holder that dies releases it),
+read the ledger, let a pure function decide the next one, write it atomically (a private
+temporary file renamed over the old), unlock. Readers that only look (the poststop fast path)
+read without the lock: a rename is atomic, so they see the old ledger or the new one.
+
+state_dir is created root-only (0700) and must stay so: whoever can write it can grant or
+steal GPUs. A writer killed between its temporary file and the rename leaves that file; the
+next writer, holding the lock, removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from gpuhook.errors import StateError
+from gpuhook.sharing.ledger import Ledger, from_object, to_object
+from gpuhook.sys.files import replace_at
+
+LEDGER = "leases.json"
+LOCK = "leases.lock"
+#: The most a ledger may be (some thousands of leases); a larger file is not gpuhook's.
+LIMIT = 4 << 20
+_TEMP_PREFIX = f".{LEDGER}."
+
+T = TypeVar("T")
+
+
+def update(state_dir: Path, change: Callable[[Ledger], tuple[Ledger, T]]) -> T:
+    """Under the lock: the ledger, *change*'s next ledger written (if it differs), *change*'s result."""
+    dir_fd = open_state_dir(state_dir)
+    try:
+        lock = _open(dir_fd, LOCK, os.O_RDWR | os.O_CREAT, state_dir)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _remove_torn(dir_fd)
+            ledger = _read(dir_fd, state_dir)
+            after, result = change(ledger)
+            if after != ledger:
+                try:
+                    replace_at(dir_fd, LEDGER, json.dumps(to_object(after), indent=1).encode() + b"\n", mode=0o600)
+                except OSError as err:
+                    raise StateError(f"cannot write {state_dir / LEDGER}: {err.strerror or err}") from err
+            return result
+        finally:
+            os.close(lock)  # releases the flock
+    finally:
+        os.close(dir_fd)
+
+
+def read(state_dir: Path) -> Ledger:
+    """The ledger as it is now, without the lock (empty if state_dir or the file does not exist)."""
+    try:
+        dir_fd = os.open(state_dir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return Ledger()
+    except OSError as err:
+        raise StateError(f"cannot open state_dir {state_dir}: {err.strerror or err}") from err
+    try:
+        _check_private(dir_fd, state_dir)
+        return _read(dir_fd, state_dir)
+    finally:
+        os.close(dir_fd)
+
+
+def open_state_dir(state_dir: Path) -> int:
+    """A directory fd of *state_dir*, created 0700 (with its parents) if absent; refused unless root-only."""
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # O_RDONLY, not O_PATH: the torn-file sweep lists it
+        dir_fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        raise StateError(f"cannot create or open state_dir {state_dir}: {err.strerror or err}. Fix: set state_dir "
+                         "to a directory root can create (default /run/gpuhook)") from err
+    try:
+        _check_private(dir_fd, state_dir)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd
+
+
+def _check_private(dir_fd: int, state_dir: Path) -> None:
+    st = os.fstat(dir_fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise StateError(f"state_dir {state_dir} must be owned by uid {os.geteuid()} and writable only by it (it is "
+                         f"mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}): whoever writes it grants GPUs. "
+                         f"Fix: chown root {state_dir} && chmod 0700 {state_dir}")
+
+
+def _open(dir_fd: int, name: str, flags: int, state_dir: Path) -> int:
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as err:
+        raise StateError(f"cannot open {state_dir / name}: {err.strerror or err}") from err
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StateError(f"{state_dir / name} is not a regular file; remove it")
+    return fd
+
+
+def _read(dir_fd: int, state_dir: Path) -> Ledger:
+    try:
+        fd = _open(dir_fd, LEDGER, os.O_RDONLY | os.O_NONBLOCK, state_dir)
+    except StateError as err:
+        if isinstance(err.__cause__, FileNotFoundError):
+            return Ledger()
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read(LIMIT + 1)
+    source = str(state_dir / LEDGER)
+    if len(data) > LIMIT:
+        raise StateError(f"{source} is over {LIMIT} bytes; it is not gpuhook's ledger (remove it)")
+    try:
+        return from_object(json.loads(data), source=source)
+    except ValueError as err:
+        raise StateError(f"{source} is not JSON ({err}); remove it to start afresh "
+                         "(leases of running containers are then forgotten)") from None
+
+
+def _remove_torn(dir_fd: int) -> None:
+    """Temporary files of writers that died before their rename (the lock is held: none is being written)."""
+    for name in os.listdir(dir_fd):
+        if name.startswith(_TEMP_PREFIX) and name.endswith(".tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)

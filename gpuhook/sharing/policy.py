@@ -1,0 +1,263 @@
+"""The per-GPU sharing policy, decoded from either of its two syntaxes into one model.
+
+``gpus:`` in gpuhook.yaml (lower-case keys) and the JSON device file that GPU-partitioning
+guides give for nvidia-container-cli (``device_policy:``; ``{"Devices": [{"DeviceID": ...}]}``)
+say the same things, so both decode to a ``Policy`` here, refusing unknown keys and
+contradictions with a message that names the key. Which host GPU an entry names (an index, a
+UUID or a PCI bus id) is only known against an inventory: ``Policy.resolve``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from gpuhook.errors import ConfigError
+from gpuhook.inventory import Gpu
+from gpuhook.request.model import Capability
+
+
+class Sharing(enum.StrEnum):
+    """How many containers may hold one GPU at once."""
+
+    #: any number (NVIDIA's behaviour); leases only say who holds it
+    UNLIMITED = "unlimited"
+    #: one container at a time
+    EXCLUSIVE = "exclusive"
+    #: at most ``replicas`` containers at once (time-slicing)
+    SHARED = "shared"
+    #: at most ``replicas`` containers at once, as clients of one MPS daemon
+    MPS = "mps"
+
+
+#: The sharing modes that take ``replicas``.
+COUNTED: Final = frozenset({Sharing.SHARED, Sharing.MPS})
+MAX_REPLICAS: Final = 1024
+ALL_DEVICES: Final = "all"
+_INDEX_RE: Final = re.compile(r"[0-9]{1,4}")
+_UUID_RE: Final = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+#: NVML's bus id (``00000000:18:00.0``) or the short lspci form (``0000:18:00.0``, ``18:00.0``)
+_PCI_RE: Final = re.compile(r"(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
+#: a GPU-instance profile as ``nvidia-smi mig -lgip`` names it: 1g.5gb, 3g.20gb, 1g.10gb+me, 7g.80gb
+_PROFILE_RE: Final = re.compile(r"[1-8]g\.[1-9][0-9]{0,3}gb(?:\+me\.all|\+me|\+gfx|-me)*")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MigMode:
+    """``MIGMode``: give a request for this GPU a MIG instance of ``instance`` (MIG on demand)."""
+
+    enable: bool
+    instance: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuPolicy:
+    """One GPU's rules (or the default's, for ``device: all``)."""
+
+    #: as written: an index, a GPU UUID, a PCI bus id, or "all"
+    device: str = ALL_DEVICES
+    sharing: Sharing = Sharing.UNLIMITED
+    #: shared/mps: at most this many containers at once; None for the others
+    replicas: int | None = None
+    #: the driver capabilities a container holding this GPU may be given; None: any
+    capabilities: frozenset[Capability] | None = None
+    mig: MigMode | None = None
+
+    @property
+    def limit(self) -> int | None:
+        """How many containers may hold it at once; None: no limit."""
+        if self.sharing is Sharing.EXCLUSIVE:
+            return 1
+        return self.replicas if self.sharing in COUNTED else None
+
+    def describe(self) -> str:
+        """``exclusive``, ``shared (replicas 2)``, ...: how a message names the policy."""
+        return f"{self.sharing} (replicas {self.replicas})" if self.replicas is not None else str(self.sharing)
+
+
+UNLIMITED: Final = GpuPolicy()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Policy:
+    """Every GPU's rules: the listed entries, and the default for the rest."""
+
+    entries: tuple[GpuPolicy, ...] = ()
+    default: GpuPolicy = UNLIMITED
+    #: where it was read from, for messages
+    source: str = "the built-in default"
+
+    @property
+    def is_unlimited(self) -> bool:
+        """True when no GPU has a limit or a capability rule (NVIDIA's behaviour everywhere)."""
+        return all(p.sharing is Sharing.UNLIMITED and p.capabilities is None and p.mig is None
+                   for p in (*self.entries, self.default))
+
+    def resolve(self, gpus: Sequence[Gpu]) -> dict[int, GpuPolicy]:
+        """Each host GPU's rules, by index; raises ConfigError for an entry no GPU matches or a GPU listed twice."""
+        resolved: dict[int, GpuPolicy] = {}
+        for entry in self.entries:
+            gpu = next((g for g in gpus if names_gpu(entry.device, g)), None)
+            if gpu is None:
+                have = ", ".join(f"{g.index} ({g.uuid}, {g.pci_bus_id})" for g in gpus) or "none"
+                raise ConfigError(f"{self.source}: device {entry.device!r} is not a GPU of this host; it has: {have}. "
+                                  "Fix: name a GPU by index, UUID or PCI bus id, or remove the entry")
+            if gpu.index in resolved:
+                raise ConfigError(f"{self.source}: GPU {gpu.index} ({gpu.uuid}) is listed twice "
+                                  f"(as {resolved[gpu.index].device!r} and {entry.device!r}); keep one entry")
+            resolved[gpu.index] = entry
+        return {g.index: resolved.get(g.index, self.default) for g in gpus}
+
+
+#: No policy: every GPU unlimited (NVIDIA's behaviour).
+NO_POLICY: Final = Policy()
+
+
+def names_gpu(device: str, gpu: Gpu) -> bool:
+    """Whether a policy entry's ``device`` (index, UUID or PCI bus id) is *gpu*."""
+    if _INDEX_RE.fullmatch(device):
+        return int(device) == gpu.index
+    if device.upper().startswith("GPU-"):
+        return device.casefold() == gpu.uuid.casefold()
+    return _pci_key(device) == _pci_key(gpu.pci_bus_id)
+
+
+def _pci_key(bus_id: str) -> tuple[int, int, int, int] | None:
+    """A PCI bus id as numbers (domain, bus, device, function): NVML writes 8 domain digits, lspci 4."""
+    match = _PCI_RE.fullmatch(bus_id)
+    if match is None:
+        return None
+    return int(match[1] or "0", 16), int(match[2], 16), int(match[3], 16), int(match[4])
+
+
+# --- decoding ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Keys:
+    """One syntax's key names (the YAML list's or the JSON device file's)."""
+
+    device: str
+    sharing: str
+    replicas: str
+    capabilities: str
+    mig: str
+    mig_enable: str
+    mig_instance: str
+
+
+YAML_KEYS: Final = _Keys("device", "sharing", "replicas", "capabilities", "mig", "enable", "instance")
+FILE_KEYS: Final = _Keys("DeviceID", "Sharing", "Replicas", "Capabilities", "MIGMode", "Enable", "Instance")
+
+
+def decode_gpus(value: Any, *, source: str) -> Policy:
+    """gpuhook.yaml's ``gpus:`` list."""
+    return _decode_entries(value, YAML_KEYS, source=source, where="gpus")
+
+
+def decode_device_file(value: Any, *, source: str) -> Policy:
+    """The device-policy file: ``{"Devices": [{"DeviceID": ..., "Sharing": ..., ...}]}``."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: expected an object with a \"Devices\" list, got {type(value).__name__}")
+    unknown = sorted(str(k) for k in value if k != "Devices")
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; expected only \"Devices\"")
+    if "Devices" not in value:
+        raise ConfigError(f"{source}: no \"Devices\" list")
+    return _decode_entries(value["Devices"], FILE_KEYS, source=source, where="Devices")
+
+
+def _decode_entries(value: Any, keys: _Keys, *, source: str, where: str) -> Policy:
+    if not isinstance(value, list):
+        raise ConfigError(f"{source}: {where} must be a list of GPU entries, got {type(value).__name__}")
+    entries = [_decode_entry(item, keys, f"{source}: {where}[{n}]") for n, item in enumerate(value)]
+    defaults = [e for e in entries if e.device == ALL_DEVICES]
+    if len(defaults) > 1:
+        raise ConfigError(f"{source}: {where} lists {keys.device} {ALL_DEVICES!r} {len(defaults)} times; keep one")
+    listed = [e for e in entries if e.device != ALL_DEVICES]
+    seen: dict[str, int] = {}
+    for n, entry in enumerate(listed):
+        key = _canonical(entry.device)
+        if key in seen:
+            raise ConfigError(f"{source}: {where} lists {keys.device} {entry.device!r} twice; keep one entry")
+        seen[key] = n
+    return Policy(entries=tuple(listed), default=defaults[0] if defaults else UNLIMITED, source=source)
+
+
+def _canonical(device: str) -> str:
+    """One spelling per device, so that a GPU listed twice in two spellings of one form is caught at load."""
+    pci = _pci_key(device)
+    return repr(pci) if pci is not None and not _INDEX_RE.fullmatch(device) else device.casefold()
+
+
+def _decode_entry(item: Any, keys: _Keys, where: str) -> GpuPolicy:
+    if not isinstance(item, Mapping):
+        raise ConfigError(f"{where}: expected a mapping with {keys.device!r}, got {item!r}")
+    known = (keys.device, keys.sharing, keys.replicas, keys.capabilities, keys.mig)
+    unknown = sorted(str(k) for k in item if k not in known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    device = _device(item.get(keys.device), f"{where}.{keys.device}")
+    sharing = _sharing(item.get(keys.sharing, Sharing.UNLIMITED.value), f"{where}.{keys.sharing}")
+    replicas = item.get(keys.replicas)
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int)
+                                 or not 1 <= replicas <= MAX_REPLICAS):
+        raise ConfigError(f"{where}.{keys.replicas} must be a whole number from 1 to {MAX_REPLICAS}, got {replicas!r}")
+    if sharing in COUNTED and replicas is None:
+        raise ConfigError(f"{where}: {keys.sharing} {sharing.value!r} needs {keys.replicas}: N (how many containers "
+                          "may hold the GPU at once)")
+    if sharing not in COUNTED and replicas is not None:
+        raise ConfigError(f"{where}: {keys.replicas} contradicts {keys.sharing} {sharing.value!r} (it limits only "
+                          f"{' and '.join(repr(s.value) for s in sorted(COUNTED))}); remove it or change the sharing")
+    return GpuPolicy(device=device, sharing=sharing, replicas=replicas,
+                     capabilities=_capabilities(item.get(keys.capabilities), f"{where}.{keys.capabilities}"),
+                     mig=_mig(item.get(keys.mig), keys, f"{where}.{keys.mig}"))
+
+
+def _device(value: Any, where: str) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not (value == ALL_DEVICES or _INDEX_RE.fullmatch(value)
+                                          or _UUID_RE.fullmatch(value) or _PCI_RE.fullmatch(value)):
+        raise ConfigError(f"{where} must be a GPU index (0), a GPU UUID (GPU-…), a PCI bus id (0000:18:00.0) "
+                          f"or {ALL_DEVICES!r}, got {value!r}")
+    return value
+
+
+def _sharing(value: Any, where: str) -> Sharing:
+    if not isinstance(value, str) or value not in {s.value for s in Sharing}:
+        raise ConfigError(f"{where} must be one of {', '.join(s.value for s in Sharing)}, got {value!r}")
+    return Sharing(value)
+
+
+def _capabilities(value: Any, where: str) -> frozenset[Capability] | None:
+    if value is None:
+        return None
+    names = {c.value for c in Capability}
+    if not isinstance(value, list) or not all(isinstance(v, str) and v in names for v in value):
+        raise ConfigError(f"{where} must be a list of driver capabilities ({', '.join(sorted(names))}), got {value!r}")
+    return frozenset(Capability(v) for v in value)
+
+
+def _mig(value: Any, keys: _Keys, where: str) -> MigMode | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a mapping with {keys.mig_enable!r} and {keys.mig_instance!r}, "
+                          f"got {value!r}")
+    unknown = sorted(str(k) for k in value if k not in (keys.mig_enable, keys.mig_instance))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; "
+                          f"known: {keys.mig_enable}, {keys.mig_instance}")
+    enable, instance = value.get(keys.mig_enable), value.get(keys.mig_instance)
+    if not isinstance(enable, bool):
+        raise ConfigError(f"{where}.{keys.mig_enable} must be true or false, got {enable!r}")
+    if instance is not None and (not isinstance(instance, str) or not _PROFILE_RE.fullmatch(instance)):
+        raise ConfigError(f"{where}.{keys.mig_instance} must be a GPU-instance profile as `nvidia-smi mig -lgip` "
+                          f"names it (1g.10gb, 3g.40gb, 1g.10gb+me), got {instance!r}")
+    if instance is not None and not enable:
+        raise ConfigError(f"{where}: {keys.mig_instance} {instance!r} contradicts {keys.mig_enable}: false")
+    return MigMode(enable=enable, instance=instance)
