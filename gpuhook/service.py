@@ -175,18 +175,18 @@ def start_configure(config: Config, request: GpuRequest, container: Container, *
     start(config, request, container, placement=placement, started=started)
 
 
-def stop(config: Config, state_obj: Mapping[str, Any]) -> None:
+def stop(config: Config, state_obj: Mapping[str, Any], *, served_by: str) -> None:
     """poststop: release the container's lease, once its holder (the container's init) has exited.
 
     A holder that still runs keeps it (a runtime that runs poststop early, or another engine's
     container of the same id): gpuhookd's watch or the next start's reclaim releases it when it exits.
     """
-    if config.state_dir is None:
-        return
-    state = state_from_object(state_obj)
+    container_id = state_obj.get("id")
+    if config.state_dir is None or not isinstance(container_id, str):
+        return  # a state that names no container holds nothing (NVIDIA's poststop reads nothing either)
     log = get_logger()
-    log.bind(container_id=state.id, served_by="poststop")
-    released, kept = leases.release_if_gone(config.state_dir, state.id)
+    log.bind(container_id=container_id, served_by=served_by)
+    released, kept = leases.release_if_gone(config.state_dir, container_id)
     if released is not None:
         log.info("lease_released", devices=list(released.devices), why="poststop")
     elif kept is not None:
@@ -210,8 +210,28 @@ def reclaim_gone(config: Config) -> tuple[Ledger, tuple[Lease, ...]]:
     ledger, stale = leases.reclaim(config.state_dir)
     for lease in stale:
         get_logger().info("lease_released", container_id=lease.container_id, devices=list(lease.devices),
-                          pid=lease.holder.pid, why="holder gone")
+                          pid=lease.holder.pid, why="holder gone", served_by="status")
     return ledger, stale
+
+
+def release_gone(config: Config, container_id: str) -> None:
+    """gpuhookd saw *container_id*'s holder exit: release its lease (if the holder is indeed gone)."""
+    if config.state_dir is None:
+        return
+    released, _ = leases.release_if_gone(config.state_dir, container_id)
+    if released is not None:
+        get_logger().info("lease_released", container_id=container_id, devices=list(released.devices),
+                          pid=released.holder.pid, why="holder exited", served_by="gpuhookd")
+
+
+def lease_holders(config: Config) -> tuple[Lease, ...]:
+    """Every lease as the ledger holds it now (read without the lock)."""
+    return ledger_store.read(config.state_dir).leases if config.state_dir is not None else ()
+
+
+def ledger_path(state_dir: Path) -> Path:
+    """The ledger file in *state_dir* (gpuhookd checks it for changes)."""
+    return state_dir / ledger_store.LEDGER
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -311,7 +331,7 @@ def render_plan(config: Config, spec: BundleSpec) -> tuple[GpuRequest, Plan] | N
     target = _target(spec.rootfs, config, Placement(), spec.runtime_devices)
     found = inventory_for(config, live_needs(request, target))
     # What a start would pick now, against the ledger as it is (nothing is leased).
-    ledger = ledger_store.read(config.state_dir) if config.state_dir is not None else Ledger()
+    ledger = ledger_store.read(config.state_dir) if config.state_dir and request.count is not None else Ledger()
     placed = _allocated(config, request, found, ledger, container_id="")
     return placed, make_plan(placed, found.inventory, found.live, target)
 

@@ -102,6 +102,8 @@ class Scenario:
     static: dict[str, Any] | None = None
     #: with a valid cache NVML must not be called
     cached: bool = False
+    #: the hook is registered for poststop too (as the packages do), its argv's stage word replaced
+    poststop: bool = False
 
 
 @dataclass(slots=True)
@@ -130,9 +132,10 @@ def install_hook(dest: Path) -> Path:
     return dest / "bin" / "python"
 
 
-def write_config(path: Path, host: FakeHost, *, cache: bool) -> Path:
-    """A production-like config for *host*: info-level log, cache in the host's /run (or none)."""
+def write_config(path: Path, host: FakeHost, *, cache: bool, leases: bool = True) -> Path:
+    """A production-like config for *host*: info-level log, cache and lease ledger in the host's /run (or none)."""
     cache_dir = json.dumps(str(host.root / "run" / "gpuhook")) if cache else "null"
+    state_dir = json.dumps(str(host.root / "run" / "gpuhook")) if leases else "null"
     path.write_text(
         f"driver_root: {json.dumps(str(host.root))}\n"
         f"dev_root: {json.dumps(str(host.root))}\n"
@@ -140,6 +143,7 @@ def write_config(path: Path, host: FakeHost, *, cache: bool) -> Path:
         f"log_file: {json.dumps(str(host.root / 'gpuhook.log'))}\n"
         "log_level: info\n"
         f"cache_dir: {cache_dir}\n"
+        f"state_dir: {state_dir}\n"
     )
     return path
 
@@ -171,6 +175,9 @@ def make_spec(scenario: Scenario, wrapper: tuple[str, ...] = ()) -> dict[str, An
     if scenario.hook_argv is not None:
         args = [*wrapper, *scenario.hook_argv]
         hooks = {"prestart": [{"path": args[0], "args": args, "env": HOOK_ENV}]}
+        if scenario.poststop:
+            stop = [*scenario.hook_argv[:-1], "poststop"]
+            hooks["poststop"] = [{"path": stop[0], "args": stop, "env": HOOK_ENV}]
     spec = default_spec("rootfs", ["/bin/true"], list(scenario.env), hooks=hooks, annotations={})
     if scenario.static is not None:
         spec["linux"]["devices"] = scenario.static["devices"]
@@ -193,6 +200,7 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
     configs.mkdir()
     cfg = {n: write_config(configs / f"host{n}.yaml", h, cache=True) for n, h in hosts.items()}
     no_cache = write_config(configs / "host8-nocache.yaml", hosts[8], cache=False)
+    no_leases = write_config(configs / "host8-noleases.yaml", hosts[8], cache=True, leases=False)
 
     def hook(config: Path) -> tuple[str, ...]:
         return (str(relay), "--config", str(config), "--daemon-socket", daemon_for(config), "prestart")
@@ -214,12 +222,18 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
         Scenario("gpu8-all", "hook, 8 GPUs, all capabilities", hosts[8], gpus("all"), hook(cfg[8]), cached=True),
         Scenario("gpu8-nocache", "hook, 8 GPUs, compute,utility, cache off (NVML every start)", hosts[8],
                  gpus(COMPUTE), hook(no_cache)),
+        Scenario("gpu8-nolease", "hook, 8 GPUs, compute,utility, leases off (state_dir: null)", hosts[8],
+                 gpus(COMPUTE), hook(no_leases), cached=True),
+        Scenario("no-gpu-poststop", "hook for prestart and poststop, container asks for no GPU", hosts[8],
+                 hook_argv=hook(cfg[8]), poststop=True),
         Scenario("static8", "static floor: 8 GPUs' devices + mounts in config.json, no hook", hosts[8],
                  static=static_floor(python, cfg[8], gpus(COMPUTE), rootfs_src, work)),
         Scenario("python-floor", "reference: hook = `python -I -c pass` (interpreter floor)",
                  hook_argv=(str(python), "-I", "-c", "pass")),
         Scenario("no-gpu-python", "reference: Python hook, no GPU (no daemon involved)", hosts[8],
                  hook_argv=python_hook(cfg[8])),
+        Scenario("no-gpu-python-poststop", "reference: Python hook for prestart and poststop, no GPU", hosts[8],
+                 hook_argv=python_hook(cfg[8]), poststop=True),
         Scenario("gpu8-python", "reference: Python hook through gpuhookd, 8 GPUs", hosts[8], gpus(COMPUTE),
                  python_hook(cfg[8]), cached=True),
         Scenario("gpu8-nodaemon", "reference: Python hook without gpuhookd, 8 GPUs (in-process)", hosts[8],

@@ -44,7 +44,7 @@ def _stop(call: HookCall) -> int:
     from gpuhook import service
 
     config = service.load_settings(call.args.config, call.args.debug, call.env)
-    service.stop(config, call.state)
+    service.stop(config, call.state, served_by="hook")
     return 0
 
 

@@ -1,6 +1,7 @@
 """gpuhookd's workers: how many wait, when one is forked, and how a slow client costs only its own.
 
-The daemon (the parent) never touches a connection; it only forks workers and counts them.
+The daemon (the parent) never touches a connection; it only forks workers, counts them and
+watches the lease holders (``holders``: a container's lease is released when its init exits).
 Each worker tells it, one byte on its own socketpair, when it has accepted a connection
 (``BUSY``), when it waits again (``IDLE``) and when it has answered a GPU request and exits
 (``DONE``; EOF says the same). The daemon keeps ``spares`` workers idle:
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 from gpuhook import service
 from gpuhook.daemon import server
+from gpuhook.daemon.holders import POLL_SECONDS, HolderWatch
 from gpuhook.daemon.server import OwnConfig, say
 from gpuhook.sys import process
 
@@ -76,6 +78,8 @@ def serve(listener: socket.socket, *, request_timeout: float, config: OwnConfig,
     # Idle workers wait in epoll; the ones woken for a connection another took get EAGAIN, not a block.
     listener.setblocking(False)
     workers: dict[int, _Worker] = {}  # fd of the daemon's end -> the worker
+    holders = HolderWatch(config)
+    holders.refresh(force=True)
     full = False
     while True:
         idle = sum(not w.busy and not w.retiring for w in workers.values())
@@ -97,13 +101,19 @@ def serve(listener: socket.socket, *, request_timeout: float, config: OwnConfig,
             workers[worker.end.fileno()] = worker
             idle += 1
         full = full and len(workers) >= max_workers
-        ready = select.select(list(workers), [], [], None if workers else 0.1)[0]
+        watched = holders.fds()
+        ready = select.select([*workers, *watched], [], [], POLL_SECONDS if workers else 0.1)[0]
+        ended = False
         for fd in ready:
-            _note(workers, fd, spares)
+            if fd in workers:
+                ended |= _note(workers, fd, spares)
+            else:
+                holders.exited(fd)
+        holders.refresh(force=ended)  # a worker that ended may have taken a lease
 
 
-def _note(workers: dict[int, _Worker], fd: int, spares: int) -> None:
-    """Take in what the worker on *fd* says: busy, idle again, or gone."""
+def _note(workers: dict[int, _Worker], fd: int, spares: int) -> bool:
+    """Take in what the worker on *fd* says: busy, idle again, or gone (True: it ended)."""
     worker = workers[fd]
     try:
         said = worker.end.recv(64)
@@ -112,13 +122,14 @@ def _note(workers: dict[int, _Worker], fd: int, spares: int) -> None:
     if not said or DONE in said:  # answered a GPU request (it exits), retired, or died
         worker.end.close()
         del workers[fd]
-        return
+        return True
     worker.busy = said[-1:] == BUSY
     idle = sum(not w.busy and not w.retiring for w in workers.values())
     if not worker.busy and not worker.retiring and idle > spares:
         worker.retiring = True
         with contextlib.suppress(OSError):  # it is exiting: its EOF follows
             worker.end.send(RETIRE)
+    return False
 
 
 def _fork_worker(listener: socket.socket, request_timeout: float, priority: int, config: OwnConfig,

@@ -208,7 +208,7 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int],  # noqa: PLR0911 - 
         return b"declined", 0, reason  # the hook then works with its own config, and its own power
     if args.action == hookcall.STOP:  # the ledger is the daemon's own: no need to enter the hook's view
         try:
-            service.stop(config.load(args.debug), call.state)
+            service.stop(config.load(args.debug), call.state, served_by="gpuhookd")
         except GpuHookError as err:
             return b"done", 1, report_failure(err) + "\n"
         return b"done", 0, ""

@@ -90,8 +90,8 @@ def open_state_dir(state_dir: Path) -> int:
 
 def _check_private(dir_fd: int, state_dir: Path) -> None:
     st = os.fstat(dir_fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise StateError(f"state_dir {state_dir} must be owned by uid {os.geteuid()} and writable only by it (it is "
+    if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+        raise StateError(f"state_dir {state_dir} must be owned by root and writable only by it (it is "
                          f"mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}): whoever writes it grants GPUs. "
                          f"Fix: chown root {state_dir} && chmod 0700 {state_dir}")
 

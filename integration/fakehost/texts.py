@@ -287,4 +287,5 @@ def gpuhook_config(root: Path) -> str:
         f"log_file: {log}\n"
         "log_level: debug\n"
         f"cache_dir: {cache}\n"
+        f"state_dir: {cache}\n"
     )

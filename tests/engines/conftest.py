@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -34,6 +35,10 @@ class Docker:
     hook_calls: Path
     #: the hook log (the simulated host's config)
     log: Path
+    #: the gpuhook.yaml dockerd's hook, runtime and gpuhookd use (the host's, with POLICY)
+    config: Path
+    #: its lease ledger's dir
+    state_dir: Path
 
     def calls(self) -> list[str]:
         """The argv of every call dockerd made to the hook wrapper so far, one string each."""
@@ -57,10 +62,23 @@ def write_hook_wrapper(bindir: Path, config: Path, calls: Path, hook: Path, *, d
     return wrapper
 
 
+# GPU 0 exclusive, the others unlimited (NVIDIA's behaviour): the tests that ask for one GPU, or `all`,
+# run one container at a time and see no difference; the lease tests hold GPU 0.
+POLICY: Final = 'gpus:\n  - device: "0"\n    sharing: exclusive\n  - device: all\n    sharing: unlimited\n'
+
+
+def write_config(host: FakeHost, path: Path, state_dir: Path) -> Path:
+    """*host*'s gpuhook.yaml at *path*, with its own *state_dir* and POLICY."""
+    kept = [line for line in host.config_path.read_text().splitlines() if not line.startswith("state_dir:")]
+    path.write_text("\n".join([*kept, f"state_dir: {json.dumps(str(state_dir))}", POLICY]))
+    return path
+
+
 @pytest.fixture(scope="module")
 def docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, relay: Path) -> Iterator[Docker]:
     """A private dockerd: the gpuhook wrapper on its PATH (--gpus: gpuhook-relay under NVIDIA's name, served
-    by a gpuhookd, as the packages install it), gpuhook-runtime as runtime "gpuhook"."""
+    by a gpuhookd, as the packages install it), gpuhook-runtime as runtime "gpuhook"; the host's config with
+    GPU 0 exclusive (POLICY) and a state_dir of its own."""
     if os.geteuid() != 0:
         pytest.fail("the docker tests start a real dockerd and must run as root (make test does)")
     if not os.access(RUNTIME_SCRIPT, os.X_OK):
@@ -68,15 +86,17 @@ def docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, relay: Path
     rootfs = build_rootfs(REPO / ".cache" / "rootfs")
     base = tmp_path_factory.mktemp("docker")
     calls = base / "hook-calls"
+    state_dir = base / "state"
+    config = write_config(host, base / "gpuhook.yaml", state_dir)
     nvidia_relay = relay_for(relay, "nvidia-container-runtime-hook")
-    gpuhookd = Gpuhookd(sys.executable, base / "gpuhookd", config=host.config_path)
+    gpuhookd = Gpuhookd(sys.executable, base / "gpuhookd", config=config)
     try:
-        write_hook_wrapper(base / "bin", host.config_path, calls, nvidia_relay, daemon_socket=gpuhookd.socket)
+        write_hook_wrapper(base / "bin", config, calls, nvidia_relay, daemon_socket=gpuhookd.socket)
         daemon = start_dockerd(base / "dockerd", path_dirs=[base / "bin"],
-                               env={"GPUHOOK_CONFIG": str(host.config_path)}, runtimes={RUNTIME: RUNTIME_SCRIPT})
+                               env={"GPUHOOK_CONFIG": str(config)}, runtimes={RUNTIME: RUNTIME_SCRIPT})
         try:
             import_image(daemon, rootfs, IMAGE)
-            yield Docker(daemon, IMAGE, calls, host.root / "gpuhook.log")
+            yield Docker(daemon, IMAGE, calls, host.root / "gpuhook.log", config, state_dir)
         finally:
             daemon.stop()
     finally:

@@ -13,11 +13,13 @@ from gpuhook.hookcall import (
     _SCAN_CHUNK,
     HookArgs,
     check_environment,
+    lease_may_exist,
     read_config_json,
     read_hook_call,
     read_start_config,
 )
 from gpuhook.oci.strictjson import SPEC_LIMIT
+from gpuhook.sharing.ledger import Ledger
 
 GLIBC_NAMES = ("GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",
                "MALLOC_TRACE", "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS")
@@ -126,3 +128,164 @@ def test_an_unusable_config_json_is_a_clean_refusal(tmp_path: Path, kind: str) -
     for read in (read_config_json, read_start_config):
         with pytest.raises(SpecError, match=r"config\.json"):
             read(str(bundle), limit=SPEC_LIMIT)
+
+
+# --- lease_may_exist: the poststop's no-lease fast path ----------------------------------------------
+
+
+def _write_ledger(state_dir: Path, *container_ids: str) -> None:
+    """A ledger as gpuhook writes it (ledger_store), holding *container_ids*."""
+    from gpuhook.provision import ledger_store
+    from gpuhook.sharing.ledger import Holder, Lease
+
+    def add(ledger: Ledger) -> tuple[Ledger, None]:
+        for n, container_id in enumerate(container_ids):
+            ledger = ledger.reserve(Lease(container_id=container_id, devices=("GPU-0",),
+                                          holder=Holder(pid=100 + n, start=1), since="2026-12-01T12:00:00Z"))
+        return ledger, None
+
+    ledger_store.update(state_dir, add)
+
+
+def _config(tmp_path: Path, text: str) -> str:
+    """*text* as a config file; the directories it names must not spell state_dir (the fast path counts that word)."""
+    assert "state_dir" not in str(tmp_path) or str(tmp_path) not in text, "rename the test"
+    path = tmp_path / "gpuhook.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_no_ledger_file_means_no_lease(tmp_path: Path) -> None:
+    """state_dir without leases.json (or not there at all): certainly no lease."""
+    (tmp_path / "state").mkdir(mode=0o700)
+    assert lease_may_exist(_config(tmp_path, f"state_dir: {tmp_path}/state\n"), {}, "c1") is False
+    assert lease_may_exist(_config(tmp_path, f"state_dir: {tmp_path}/absent\n"), {}, "c1") is False
+
+
+def test_a_ledger_naming_the_container_may_hold_its_lease(tmp_path: Path) -> None:
+    """True exactly when the ledger names the id (not a longer id it is a prefix of)."""
+    state_dir = tmp_path / "state"
+    _write_ledger(state_dir, "c10", "other-ctr")
+    config = _config(tmp_path, f"log_level: info\nstate_dir: {state_dir}\ncache_dir: null\n")
+    assert lease_may_exist(config, {}, "c10") is True
+    assert lease_may_exist(config, {}, "other-ctr") is True
+    assert lease_may_exist(config, {}, "c1") is False
+    assert lease_may_exist(config, {}, "other") is False
+    _write_ledger(state_dir, "c1")
+    assert lease_may_exist(config, {}, "c1") is True
+
+
+@pytest.mark.parametrize("line", [
+    "state_dir: {dir}", "state_dir: \"{dir}\"", "state_dir: '{dir}'", "state_dir: {dir}  # the ledger",
+    "state_dir:   {dir}   ",
+])
+def test_the_ledger_directory_is_read_from_a_flat_line(tmp_path: Path, line: str) -> None:
+    """Plain, double- or single-quoted, with a comment: the same directory the full config load gives."""
+    from gpuhook.config import parse_config
+
+    state_dir = tmp_path / "state"
+    _write_ledger(state_dir, "held")
+    text = line.format(dir=state_dir) + "\n"
+    assert parse_config(text).state_dir == state_dir
+    config = _config(tmp_path, text)
+    assert lease_may_exist(config, {}, "held") is True
+    assert lease_may_exist(config, {}, "free") is False
+
+
+@pytest.mark.parametrize("line", ["state_dir: null", "state_dir: ~", "state_dir:", "state_dir: NULL"])
+def test_a_null_state_dir_means_no_lease(tmp_path: Path, line: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """state_dir null: no ledger anywhere, whatever the default directory holds."""
+    from gpuhook import hookcall
+
+    default = tmp_path / "default"
+    _write_ledger(default, "held")
+    monkeypatch.setattr(hookcall, "DEFAULT_STATE_DIR", str(default))
+    assert lease_may_exist(_config(tmp_path, line + "\n"), {}, "held") is False
+
+
+def test_without_state_dir_the_default_directory_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config that does not set state_dir: the default's ledger decides."""
+    from gpuhook import hookcall
+
+    default = tmp_path / "default"
+    _write_ledger(default, "held")
+    monkeypatch.setattr(hookcall, "DEFAULT_STATE_DIR", str(default))
+    config = _config(tmp_path, "log_level: debug\n")
+    assert lease_may_exist(config, {}, "held") is True
+    assert lease_may_exist(config, {}, "free") is False
+
+
+def test_the_config_is_found_as_the_full_load_finds_it(tmp_path: Path) -> None:
+    """--config beats $GPUHOOK_CONFIG."""
+    held = tmp_path / "held"
+    _write_ledger(held, "c1")
+    (tmp_path / "empty").mkdir(mode=0o700)
+    (tmp_path / "a.yaml").write_text(f"state_dir: {held}\n")
+    (tmp_path / "b.yaml").write_text(f"state_dir: {tmp_path}/empty\n")
+    assert lease_may_exist(None, {"GPUHOOK_CONFIG": str(tmp_path / "a.yaml")}, "c1") is True
+    assert lease_may_exist(str(tmp_path / "b.yaml"), {"GPUHOOK_CONFIG": str(tmp_path / "a.yaml")}, "c1") is False
+    assert lease_may_exist(None, {"GPUHOOK_CONFIG": str(tmp_path / "b.yaml")}, "c1") is False
+
+
+@pytest.mark.parametrize("text", [
+    pytest.param("state_dir: {dir}\nstate_dir: {dir}\n", id="two-lines"),
+    pytest.param("{{state_dir: {dir}}}\n", id="flow-mapping"),
+    pytest.param("{{log_level: info,\nstate_dir: {dir}}}\n", id="flow-mapping-over-lines"),
+    pytest.param("state_dir: \"{dir}\\u0041\"\n", id="escape-in-value"),
+    pytest.param("\"state_dir\": {dir}\n", id="quoted-key"),
+    pytest.param("state_dir: !!str {dir}\n", id="tag"),
+    pytest.param("state_dir: &s {dir}\n", id="anchor"),
+    pytest.param("  state_dir: {dir}\n", id="indented"),
+    pytest.param("state_dir: relative/dir\n", id="relative"),
+    pytest.param("# state_dir: {dir}\n", id="only-a-comment"),
+    pytest.param("state_dir: {dir}\n# state_dir used to be elsewhere\n", id="also-in-a-comment"),
+    pytest.param("state_dir: {dir}\t# tab before the comment\n", id="tab"),
+    pytest.param("log_file: /var/log/state_dir.log\n", id="in-another-value"),
+])
+def test_shapes_it_cannot_read_go_to_the_full_path(tmp_path: Path, text: str) -> None:
+    """Anything but one plain top-level state_dir line: "may exist" (the full config load decides), even where the
+    directory it names holds no ledger."""
+    (tmp_path / "empty").mkdir(mode=0o700)
+    assert lease_may_exist(_config(tmp_path, text.format(dir=tmp_path / "empty")), {}, "c1") is True
+
+
+@pytest.mark.parametrize("text", [
+    pytest.param("\"state\\x5fdir\": {dir}\n", id="escape-in-the-key"),
+    pytest.param("state_dir: {dir}\n  x\n", id="continuation-line"),
+])
+def test_a_directory_the_flat_reading_would_misplace_goes_to_the_full_path(
+        tmp_path: Path, text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """YAML that the full load reads as a state_dir other than the line's (a key spelled with an escape, a plain
+    scalar folded over two lines): the container's lease there must not be missed."""
+    from gpuhook import hookcall
+    from gpuhook.config import parse_config
+
+    (tmp_path / "default").mkdir(mode=0o700)
+    monkeypatch.setattr(hookcall, "DEFAULT_STATE_DIR", str(tmp_path / "default"))
+    text = text.format(dir=tmp_path / "st")
+    real = parse_config(text).state_dir
+    assert real is not None and real in (tmp_path / "st", tmp_path / "st x")
+    _write_ledger(real, "c1")
+    assert lease_may_exist(_config(tmp_path, text), {}, "c1") is True
+
+
+@pytest.mark.parametrize("container_id", ["", "c 1", 'c"1', "c\\1", "ctr\u00e9", "c/1", "c\n1", "c,1"])
+def test_ids_json_might_escape_go_to_the_full_path(tmp_path: Path, container_id: str) -> None:
+    """Only [A-Za-z0-9_.-] ids are matched in the raw file; others: "may exist"."""
+    (tmp_path / "empty").mkdir(mode=0o700)
+    assert lease_may_exist(_config(tmp_path, f"state_dir: {tmp_path}/empty\n"), {}, container_id) is True
+
+
+def test_a_missing_or_unreadable_config_goes_to_the_full_path(tmp_path: Path) -> None:
+    """A named config that is missing (the full load refuses it) or cannot be read: "may exist"."""
+    assert lease_may_exist(str(tmp_path / "absent.yaml"), {}, "c1") is True
+    assert lease_may_exist(None, {"GPUHOOK_CONFIG": str(tmp_path / "absent.yaml")}, "c1") is True
+    (tmp_path / "dir.yaml").mkdir()
+    assert lease_may_exist(str(tmp_path / "dir.yaml"), {}, "c1") is True
+
+
+def test_an_unreadable_ledger_goes_to_the_full_path(tmp_path: Path) -> None:
+    """leases.json that cannot be read (here a directory): "may exist"."""
+    state_dir = tmp_path / "state"
+    (state_dir / "leases.json").mkdir(parents=True)
+    assert lease_may_exist(_config(tmp_path, f"state_dir: {state_dir}\n"), {}, "c1") is True
