@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from gpuhook.errors import ConfigError
+from gpuhook.hookcall import DEFAULT_STATE_DIR
 from gpuhook.planning.health import HealthPolicy
 from gpuhook.sharing.policy import NO_POLICY, Policy, decode_device_file, decode_gpus
 
@@ -78,7 +79,7 @@ class Config:
     timeout_seconds: float = 30.0
     #: gpuhook's state (the lease ledger): a root-only directory, ideally on tmpfs; None: no leases
     #: (only with no sharing limit: every GPU unlimited)
-    state_dir: Path | None = Path("/run/gpuhook")
+    state_dir: Path | None = Path(DEFAULT_STATE_DIR)
     #: the per-GPU sharing policy: the ``gpus:`` list, or what ``device_policy`` names
     gpus: Policy = NO_POLICY
     #: a device-policy file (``{"Devices": [...]}``, JSON or YAML) instead of ``gpus:``

@@ -246,19 +246,42 @@ def _read_small(path: str, missing: bytes | None, *, limit: int = 1 << 20) -> by
 
 
 def _flat_state_dir(text: bytes) -> str | None:
-    """The config's state_dir ("" for null), when it is written as one plain top-level line; None otherwise."""
-    if b"state_dir" not in text:
-        return DEFAULT_STATE_DIR
-    lines = [line for line in text.splitlines() if b"state_dir" in line]
-    if len(lines) != 1 or not lines[0].startswith(b"state_dir:") or text.count(b"state_dir") != 1:
+    """The config's state_dir ("" for null) when the document certainly sets it so (or leaves it at the
+    default); None when its shape leaves any doubt (the full config load then decides).
+
+    Certain means: every line that starts at the left margin is a comment or begins with a
+    lower-case key (so no quoted or escaped key, directive, document marker or flow mapping can
+    name state_dir), no backslash anywhere, and at most one ``state_dir:`` line, whose plain value
+    the next line does not continue (an indented or blank line after it could).
+    """
+    lines = text.splitlines()
+    if b"\\" in text or not all(_starts_plainly(line, comment_ok=True) for line in lines):
         return None
-    value = lines[0][len(b"state_dir:"):].partition(b" #")[0].strip(b" ")
+    found = [n for n, line in enumerate(lines) if b"state_dir" in line]
+    if not found:
+        return DEFAULT_STATE_DIR
+    at = found[0]
+    if (len(found) != 1 or text.count(b"state_dir") != 1 or not lines[at].startswith(b"state_dir:")
+            or (at + 1 < len(lines) and not _starts_plainly(lines[at + 1], comment_ok=False))):
+        return None
+    return _plain_path(lines[at][len(b"state_dir:"):].partition(b" #")[0].strip(b" "))
+
+
+def _starts_plainly(line: bytes, *, comment_ok: bool) -> bool:
+    """A line that begins with a lower-case key, or (*comment_ok*) is indented, blank or a comment."""
+    if not line[:1] or line[:1] in (b" ", b"\t", b"#"):
+        return comment_ok
+    return b"a"[0] <= line[0] <= b"z"[0]
+
+
+def _plain_path(value: bytes) -> str | None:
+    """A state_dir value: the path, "" for null, None for anything PyYAML might read otherwise."""
     if value[:1] in (b'"', b"'") and len(value) > 1 and value[-1:] == value[:1]:
         value = value[1:-1]
-    if value in (b"", b"~", b"null", b"Null", b"NULL"):
+    if value in (b"", b"~", b"null", b"Null", b"NULL"):  # empty: the next line is no block (checked)
         return ""
-    if not value.startswith(b"/") or any(c in value for c in b"\\\"'#:{}[],&*!|>%@`\t"):
-        return None
+    if not value.startswith(b"/") or any(c in value for c in b"\"'#:{}[],&*!|>%@`\t"):
+        return None  # a tag, an alias, a flow, a relative path: the full load reads (or refuses) it
     return value.decode("utf-8", "replace")
 
 

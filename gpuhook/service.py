@@ -142,13 +142,14 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
             step = time.monotonic()
             holder = leases.holder_of(container.pid, pidfd)
             taken = leases.take(config.state_dir, request, narrow_to_live(inventory, found.live),
-                                config.gpus.resolve(inventory.gpus), container_id=container.id, holder=holder)
+                                config.gpus.resolve(inventory.gpus), container_id=container.id, holder=holder,
+                                unhealthy=_unhealthy(inventory, found, target))
             request = taken.allocation.request
             undo.callback(leases.drop, config.state_dir, container.id, holder)
             log.info("lease_reserved", devices=list(taken.allocation.devices), ms=_ms(step),
                      reclaimed=[lease.container_id for lease in taken.reclaimed])
         else:
-            request = _allocated(config, request, found, Ledger(), container_id=container.id)
+            request = _allocated(config, request, found, Ledger(), container_id=container.id, target=target)
         plan = make_plan(request, inventory, found.live, target)
         _log_plan(plan)
         step = time.monotonic()
@@ -256,7 +257,8 @@ def _holds_devices(request: GpuRequest) -> bool:
     return request.all_devices or request.count is not None or bool(request.devices)
 
 
-def _allocated(config: Config, request: GpuRequest, found: Found, ledger: Ledger, *, container_id: str) -> GpuRequest:
+def _allocated(config: Config, request: GpuRequest, found: Found, ledger: Ledger, *, container_id: str,
+               target: Target) -> GpuRequest:
     """*request* placed against *ledger* without leasing (state_dir null, or a dry run): ``count`` resolved."""
     if request.count is None:
         return request
@@ -264,7 +266,16 @@ def _allocated(config: Config, request: GpuRequest, found: Found, ledger: Ledger
 
     inventory = narrow_to_live(found.inventory, found.live)
     return allocate(request, inventory, config.gpus.resolve(inventory.gpus), ledger, container_id=container_id,
-                    now=datetime.now(UTC)).request
+                    now=datetime.now(UTC), unhealthy=_unhealthy(inventory, found, target)).request
+
+
+def _unhealthy(inventory: Inventory, found: Found, target: Target) -> dict[int, str]:
+    """The GPUs a start would refuse for their health (what ``count`` must not pick), with the problems."""
+    if target.unhealthy_gpus is not HealthPolicy.REFUSE:
+        return {}
+    from gpuhook.planning.health import problems
+
+    return {g.index: "; ".join(issues) for g in inventory.gpus if (issues := problems(g, found.live))}
 
 
 def _refuse_unleased(config: Config, request: GpuRequest, inventory: Inventory) -> None:
@@ -332,7 +343,7 @@ def render_plan(config: Config, spec: BundleSpec) -> tuple[GpuRequest, Plan] | N
     found = inventory_for(config, live_needs(request, target))
     # What a start would pick now, against the ledger as it is (nothing is leased).
     ledger = ledger_store.read(config.state_dir) if config.state_dir and request.count is not None else Ledger()
-    placed = _allocated(config, request, found, ledger, container_id="")
+    placed = _allocated(config, request, found, ledger, container_id="", target=target)
     return placed, make_plan(placed, found.inventory, found.live, target)
 
 

@@ -50,7 +50,7 @@ def holder_of(pid: int, pidfd: int) -> Holder:
 
 
 def take(state_dir: Path, request: GpuRequest, inventory: Inventory, policies: Mapping[int, GpuPolicy], *,
-         container_id: str, holder: Holder) -> Taken:
+         container_id: str, holder: Holder, unhealthy: Mapping[int, str]) -> Taken:
     """Reclaim, allocate and reserve *request*'s devices for *container_id*, in one transaction.
 
     Raises what ``allocate`` raises (after the reclaim is written: a refusal still frees the gone
@@ -62,7 +62,8 @@ def take(state_dir: Path, request: GpuRequest, inventory: Inventory, policies: M
         stale = ledger.stale(alive)
         ledger = ledger.without(stale)
         try:
-            allocation = allocate(request, inventory, policies, ledger, container_id=container_id, now=now)
+            allocation = allocate(request, inventory, policies, ledger, container_id=container_id, now=now,
+                                  unhealthy=unhealthy)
         except GpuHookError as err:
             return ledger, (err, stale)
         taken = Taken(allocation=allocation, reclaimed=stale)

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from gpuhook.errors import StateError
+from gpuhook.hookcall import LEDGER_NAME
 from gpuhook.sharing.ledger import Ledger, from_object, to_object
 from gpuhook.sys.files import replace_at
 
-LEDGER = "leases.json"
+LEDGER = LEDGER_NAME  # the poststop fast path (hookcall.lease_may_exist) looks for it too
 LOCK = "leases.lock"
 #: The most a ledger may be (some thousands of leases); a larger file is not gpuhook's.
 LIMIT = 4 << 20
@@ -45,6 +46,7 @@ def update(state_dir: Path, change: Callable[[Ledger], tuple[Ledger, T]]) -> T:
             ledger = _read(dir_fd, state_dir)
             after, result = change(ledger)
             if after != ledger:
+                # indent=1 writes `"container_id": "ID"`, the bytes hookcall.lease_may_exist looks for
                 try:
                     replace_at(dir_fd, LEDGER, json.dumps(to_object(after), indent=1).encode() + b"\n", mode=0o600)
                 except OSError as err:

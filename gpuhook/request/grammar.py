@@ -142,6 +142,8 @@ def device_token(entry: str) -> DeviceToken:
     for pattern, make in _DEVICE_FORMS:
         if match := pattern.fullmatch(entry):
             return make(match)
+    if entry.startswith("count="):
+        return Unknown(entry)  # not 1-9999: refused as a count, not as a CDI name
     return CdiName(entry) if entry.startswith("cdi/") or "=" in entry else Unknown(entry)
 
 
@@ -177,6 +179,9 @@ def decode_devices(raw: str, *, source: str) -> DeviceList | None:
                     f"{source}={raw!r}: {token.text!r} is a CDI device name; gpuhook's hook takes indices or UUIDs. "
                     "Fix: request the GPU by index or UUID, or let a CDI-aware engine apply the CDI spec"
                 )
+            case Unknown(text) if text.startswith("count="):
+                raise RequestError(f"{source}={raw!r}: {text!r} is not a count; expected count=N with N a whole "
+                                   "number from 1 to 9999 (the number of free GPUs wanted)")
             case _:
                 raise RequestError(f"{source}={raw!r}: {str(token)!r} is not a device; expected {ACCEPTED_FORMS}")
     return DeviceList(all_devices=False, devices=tuple(dict.fromkeys(ids)))

@@ -5,7 +5,9 @@ ledger. A GPU's *holders* are the other containers that hold it whole or hold on
 devices; a MIG device's are those that hold it or its parent whole. A device has room while
 its holders are fewer than its policy's limit (exclusive 1, shared/mps ``replicas``,
 unlimited none). ``count=N`` takes N GPUs with room whose policy allows the request's
-capabilities, least held first, then the lowest index; all or nothing.
+capabilities, least held first, then the lowest index; all or nothing. It never picks a GPU
+that the health policy would refuse (``unhealthy``); a GPU named explicitly is the health
+check's to refuse.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ class Allocation:
 
 
 def allocate(request: GpuRequest, inventory: Inventory, policies: Mapping[int, GpuPolicy], ledger: Ledger, *,
-             container_id: str, now: datetime) -> Allocation:
+             container_id: str, now: datetime, unhealthy: Mapping[int, str] | None = None) -> Allocation:
     """The devices *request* gets; raises PolicyError (a capability not allowed), BusyError (no room) or
-    UnknownDeviceError. *container_id*'s own lease (a second start stage) does not count against it."""
+    UnknownDeviceError. *container_id*'s own lease (a second start stage) does not count against it;
+    *unhealthy*: GPUs (by index, with the problem) that ``count`` must not pick."""
     others = Ledger(tuple(lease for lease in ledger.leases if lease.container_id != container_id))
     room = _Room(inventory, policies, others, now)
     if request.count is not None:
-        gpus = _pick(request, inventory.gpus, room)
+        gpus = _pick(request, inventory.gpus, room, unhealthy or {})
         return Allocation(request=replace(request, devices=tuple(GpuIndex(g.index) for g in gpus), count=None),
                           devices=tuple(g.uuid for g in gpus))
     selection = select_devices(request, inventory)
@@ -60,16 +63,23 @@ def allocate(request: GpuRequest, inventory: Inventory, policies: Mapping[int, G
                       + tuple(m.uuid for m in selection.migs))
 
 
-def _pick(request: GpuRequest, gpus: Sequence[Gpu], room: _Room) -> tuple[Gpu, ...]:
-    """``count=N``: the N GPUs with room, least held first, then the lowest index; raises BusyError."""
+def _pick(request: GpuRequest, gpus: Sequence[Gpu], room: _Room, unhealthy: Mapping[int, str]) -> tuple[Gpu, ...]:
+    """``count=N``: the N GPUs with room, least held first, then the lowest index; raises BusyError
+    (PolicyError when too few GPUs may be given the request's capabilities at all)."""
     assert request.count is not None
-    allowed = [g for g in gpus if _allows(room.policies[g.index], request)]
-    free = sorted((g for g in allowed if room.gpu_has_room(g)), key=lambda g: (len(room.gpu_holders(g)), g.index))
+    permitted = [g for g in gpus if _allows(room.policies[g.index], request)]
+    healthy = [g for g in permitted if g.index not in unhealthy]
+    free = sorted((g for g in healthy if room.gpu_has_room(g)), key=lambda g: (len(room.gpu_holders(g)), g.index))
     if len(free) >= request.count:
         return tuple(free[:request.count])
-    why = [room.describe_gpu(g) for g in allowed if g not in free]
-    why += [f"GPU {g.index} may be given only {_names(room.policies[g.index])}" for g in gpus if g not in allowed]
+    why = [room.describe_gpu(g) for g in healthy if g not in free]
+    why += [f"GPU {g.index} is unhealthy ({unhealthy[g.index]})" for g in permitted if g.index in unhealthy]
+    why += [f"GPU {g.index} may be given only {_names(room.policies[g.index])}" for g in gpus if g not in permitted]
     asked = f"{request.count} GPU{'s' if request.count != 1 else ''}"
+    if len(permitted) < request.count:  # waiting would not help
+        raise PolicyError(f"{request.source}={request.raw!r}: {asked} asked, but only {len(permitted)} of {len(gpus)} "
+                          f"may be given {', '.join(sorted(request.capabilities))}: {'; '.join(why)}. Fix: ask for "
+                          "fewer GPUs or capabilities (NVIDIA_DRIVER_CAPABILITIES)")
     raise BusyError(f"{request.source}={request.raw!r}: {asked} asked, {len(free)} of {len(gpus)} free under their "
                     f"policies{': ' if why else ''}{'; '.join(why)}. Fix: wait for a holder to end, ask for fewer, or, "
                     "if a holder is gone, `gpuhook release CONTAINER_ID`")

@@ -89,7 +89,8 @@ class Ledger:
         return tuple(lease for lease in self.leases if any(d.casefold() == wanted for d in lease.devices))
 
     def reserve(self, lease: Lease) -> Ledger:
-        """With *lease* added (replacing an earlier lease of the same container and holder: a second start stage)."""
+        """With *lease* added, replacing an earlier lease of the same container (a second start stage; gone
+        holders' leases are reclaimed first, so an earlier one is this container's own)."""
         return Ledger((*(old for old in self.leases if old.container_id != lease.container_id), lease))
 
     def activate(self, container_id: str, holder: Holder) -> Ledger:

@@ -218,8 +218,12 @@ def _decode_entry(item: Any, keys: _Keys, where: str) -> GpuPolicy:
 
 
 def _device(value: Any, where: str) -> str:
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 9999:
         value = str(value)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        # YAML 1.1 reads an unquoted 18:00.0 (or 0000:18:00.0) as a base-60 number
+        raise ConfigError(f"{where} is the number {value!r}: an unquoted PCI bus id reads as a number in YAML. "
+                          'Fix: quote it, e.g. device: "0000:18:00.0"')
     if not isinstance(value, str) or not (value == ALL_DEVICES or _INDEX_RE.fullmatch(value)
                                           or _UUID_RE.fullmatch(value) or _PCI_RE.fullmatch(value)):
         raise ConfigError(f"{where} must be a GPU index (0), a GPU UUID (GPU-…), a PCI bus id (0000:18:00.0) "

@@ -127,3 +127,56 @@ def test_flat_reader_never_disagrees_with_pyyaml(lines: list[tuple[str, str, str
     flat = parse_flat_yaml(text)
     if isinstance(flat, dict) or flat is None:
         assert flat == yaml.safe_load(text)  # a document PyYAML refuses is never read as flat
+
+
+# --- issue 15: state_dir, gpus, device_policy ------------------------------------------------------
+
+
+def test_state_dir() -> None:
+    """The lease ledger's directory defaults to /run/gpuhook, moves with a path (quoted too) and is disabled by
+    null, which leaves the policy NVIDIA's."""
+    assert Config().state_dir == Path("/run/gpuhook")
+    assert Config().gpus.is_unlimited and Config().device_policy is None
+    assert parse_config("state_dir: /var/lib/gpuhook\n").state_dir == Path("/var/lib/gpuhook")
+    assert parse_config('state_dir: "/var/lib/gpuhook"\n').state_dir == Path("/var/lib/gpuhook")
+    assert parse_config("state_dir: null\n").state_dir is None
+    assert parse_config("state_dir: null\ngpus:\n  - {device: all, sharing: unlimited}\n").state_dir is None
+
+
+def test_gpus_and_device_policy_keys(tmp_path: Path) -> None:
+    """gpus: becomes the Policy; device_policy: names a file whose policy it becomes (gpus then stays unset)."""
+    config = parse_config("gpus:\n  - device: 0\n    sharing: exclusive\n", source="/etc/gpuhook/config.yaml")
+    assert [(e.device, e.sharing.value) for e in config.gpus.entries] == [("0", "exclusive")]
+    assert config.gpus.source == "/etc/gpuhook/config.yaml"
+    assert config.device_policy is None
+    devices = tmp_path / "devices.json"
+    devices.write_text('{"Devices": [{"DeviceID": "1", "Sharing": "shared", "Replicas": 3}]}')
+    config = parse_config(f"device_policy: {devices}\n")
+    assert config.device_policy == devices
+    assert [(e.device, e.sharing.value, e.replicas) for e in config.gpus.entries] == [("1", "shared", 3)]
+    assert parse_config("device_policy: null\n").gpus.is_unlimited
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param("state_dir: run/gpuhook\n", "state_dir must be an absolute path", id="relative-state-dir"),
+        pytest.param("state_dir: false\n", "state_dir must be an absolute path", id="bool-state-dir"),
+        pytest.param("device_policy: devices.json\n", "device_policy must be an absolute path",
+                     id="relative-device-policy"),
+        pytest.param("device_policy: /nonexistent/devices.json\n",
+                     "device_policy: cannot read /nonexistent/devices.json", id="missing-device-policy"),
+        pytest.param("gpus: all\n", "gpus must be a list of GPU entries, got str", id="gpus-not-a-list"),
+        pytest.param("gpus:\n  - device: 0\n    sharing: exclusive\n    replicas: 2\n",
+                     r"gpus\[0\]: replicas contradicts sharing 'exclusive'", id="gpus-entry"),
+        pytest.param("state_dir: null\ngpus:\n  - {device: 0, sharing: exclusive}\n",
+                     "state_dir is null, but the sharing policy", id="state-dir-null-with-limits"),
+        pytest.param("device_policy: /x.json\ngpus: []\n", "gpus and device_policy both set a sharing policy",
+                     id="both-policies"),
+        pytest.param("gpu:\n  - {device: 0}\n", "unknown setting.*gpu;", id="typo"),
+    ],
+)
+def test_sharing_refusals(text: str, message: str) -> None:
+    """The new keys are refused with a message naming the key."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(text)

@@ -252,11 +252,12 @@ def test_shapes_it_cannot_read_go_to_the_full_path(tmp_path: Path, text: str) ->
 @pytest.mark.parametrize("text", [
     pytest.param("\"state\\x5fdir\": {dir}\n", id="escape-in-the-key"),
     pytest.param("state_dir: {dir}\n  x\n", id="continuation-line"),
+    pytest.param("state_dir:\n  {dir}\n", id="value-on-the-next-line"),
 ])
 def test_a_directory_the_flat_reading_would_misplace_goes_to_the_full_path(
         tmp_path: Path, text: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """YAML that the full load reads as a state_dir other than the line's (a key spelled with an escape, a plain
-    scalar folded over two lines): the container's lease there must not be missed."""
+    scalar folded over two lines, the value on the next line): the container's lease there must not be missed."""
     from gpuhook import hookcall
     from gpuhook.config import parse_config
 

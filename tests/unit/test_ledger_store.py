@@ -143,7 +143,7 @@ def _child_add(state_dir: Path, container_id: str) -> None:
 
 def _child_killed_before_rename(state_dir: Path) -> None:
     """An update whose process dies (SIGKILL-like, no cleanup) between writing its temporary file and the rename."""
-    os.replace = lambda *args, **kwargs: os._exit(9)  # type: ignore[assignment]  # this forked child only
+    os.replace = lambda *args, **kwargs: os._exit(9)  # this forked child only
     update(state_dir, _add("torn"))
 
 
@@ -232,9 +232,13 @@ def test_a_corrupt_ledger_is_a_state_error_naming_the_file(tmp_path: Path, conte
     state_dir = tmp_path / "state"
     state_dir.mkdir(mode=0o700)
     (state_dir / LEDGER).write_bytes(content)
-    called = []
-    for call in (lambda: update(state_dir, lambda ledger: (called.append(1), (ledger, None))[1]),
-                 lambda: read(state_dir)):
+    called: list[Ledger] = []
+
+    def change(ledger: Ledger) -> tuple[Ledger, None]:
+        called.append(ledger)
+        return ledger, None
+
+    for call in (lambda: update(state_dir, change), lambda: read(state_dir)):
         with pytest.raises(StateError, match=message) as excinfo:
             call()
         assert str(excinfo.value).startswith(str(state_dir / LEDGER))

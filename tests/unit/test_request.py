@@ -13,8 +13,8 @@ import contextlib
 from gpuhook.errors import RequestError
 from gpuhook.oci.spec import BundleSpec, MountSpec
 from gpuhook.request.grammar import (
-    ACCEPTED_FORMS, CdiName, ChannelId, ChannelList, DeviceList, Keyword, Unknown, channel_token, decode_channels,
-    decode_devices, decode_mig_control, device_token, entries,
+    ACCEPTED_FORMS, CdiName, ChannelId, ChannelList, DeviceList, GpuCount, Keyword, Unknown, channel_token,
+    decode_channels, decode_devices, decode_mig_control, device_token, entries,
 )
 from gpuhook.request.model import (
     ALL_CAPABILITIES, DEFAULT_CAPABILITIES, Capability, DeviceId, GpuIndex, GpuUuid, MigIndex, MigUuid, RequestSource,
@@ -227,7 +227,7 @@ def test_mig_control_value(raw: str, expected: bool | str) -> None:
 @given(st.text(max_size=40))
 def test_tokenizers_never_raise(entry: str) -> None:
     """A token for any text: refusal is the decoders' decision, made with the source's name."""
-    assert isinstance(device_token(entry), (Keyword, GpuIndex, GpuUuid, MigUuid, MigIndex, CdiName, Unknown))
+    assert isinstance(device_token(entry), (Keyword, GpuIndex, GpuUuid, MigUuid, MigIndex, GpuCount, CdiName, Unknown))
     assert isinstance(channel_token(entry), (Keyword, ChannelId, Unknown))
 
 
@@ -381,3 +381,83 @@ def test_cdi_annotations_take_priority_when_accepted() -> None:
     assert asks_for_gpu({"process": {"env": []}, "annotations": dict(bundle.annotations)})
     ignored = parse_request(bundle, accept_envvar_when_unprivileged=True, accept_volume_mounts=False)
     assert ignored is not None and ignored.all_devices  # not accepted: the env decides
+
+
+# --- count=N and any (issue 15): which GPUs is decided at the start, under the sharing policy ---------
+
+
+@pytest.mark.parametrize(
+    ("entry", "token"),
+    [
+        pytest.param("count=3", GpuCount(3), id="count"),
+        pytest.param("count=9999", GpuCount(9999), id="count-largest"),
+        pytest.param("any", Keyword.ANY, id="any"),
+        pytest.param("count=0", Unknown("count=0"), id="count-zero-is-not-a-count"),
+        pytest.param("count=01", Unknown("count=01"), id="count-leading-zero"),
+        pytest.param("count=٣", Unknown("count=٣"), id="count-non-ascii-digit"),
+        pytest.param("ANY", Unknown("ANY"), id="any-is-lower-case"),
+    ],
+)
+def test_count_and_any_tokens(entry: str, token: object) -> None:
+    """count=N (N from 1, ASCII digits) and any are tokens of their own; other spellings are not counts."""
+    assert device_token(entry) == token
+    assert type(device_token(entry)) is type(token)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        pytest.param("count=3", DeviceList(all_devices=False, devices=(), count=3), id="count"),
+        pytest.param(" count=2 ,", DeviceList(all_devices=False, devices=(), count=2), id="count-trimmed"),
+        pytest.param("any", DeviceList(all_devices=False, devices=(), count=1), id="any-is-count-1"),
+        pytest.param("all,any", listed(all_devices=True), id="all-decides-before-any"),
+        pytest.param("count=2,all", listed(all_devices=True), id="all-decides-before-count"),
+        pytest.param("none,count=2", listed(), id="none-decides-before-count"),
+        pytest.param("any,void", None, id="void-anywhere-wins"),
+    ],
+)
+def test_count_and_any_decode(raw: str, expected: DeviceList | None) -> None:
+    """any = count=1; NVIDIA's keywords still decide the whole list first."""
+    assert parse_visible_devices(raw) == expected
+
+
+@pytest.mark.parametrize("raw", ["count=2,0", "0,count=2", "any,1", "GPU-1a2b3c4d-0000-1111-2222-333344445555,any",
+                                 "any,any", "count=1,count=2", "any,count=2"])
+def test_count_and_any_must_stand_alone(raw: str) -> None:
+    """A count with anything else (ids or another count) is refused: it stands for the whole list."""
+    with pytest.raises(RequestError) as excinfo:
+        parse_visible_devices(raw)
+    assert str(excinfo.value) == (f"NVIDIA_VISIBLE_DEVICES={raw!r}: 'any' and 'count=N' stand for the whole list; "
+                                  "expected one of them alone, or a list of GPU indices or UUIDs")
+
+
+@pytest.mark.parametrize("raw", ["count=0", "count=10000", "count=01", "count=", "count=-1", "count=x"])
+def test_a_count_outside_1_to_9999_is_refused_naming_it(raw: str) -> None:
+    """count=0 (and other counts that are no count) is refused, naming the value."""
+    with pytest.raises(RequestError, match=f"NVIDIA_VISIBLE_DEVICES={raw!r}: {raw!r} "):
+        parse_visible_devices(raw)
+
+
+@pytest.mark.parametrize("raw", ["count=0", "count=10000"])
+def test_a_bad_count_is_not_called_a_cdi_name(raw: str) -> None:
+    """The refusal of a count that is out of range says what a count may be, not that it is a CDI device name
+    (the '=' rule that makes CDI names must not swallow a count=N typed wrong)."""
+    with pytest.raises(RequestError) as excinfo:
+        parse_visible_devices(raw)
+    assert "CDI" not in str(excinfo.value)
+    assert "count=N" in str(excinfo.value)
+
+
+def test_count_reaches_the_request_with_no_devices() -> None:
+    """NVIDIA_VISIBLE_DEVICES=count=2 / any: a GpuRequest with count set, no devices, not all; raw kept for messages."""
+    req = request({"NVIDIA_VISIBLE_DEVICES": "count=2", "NVIDIA_DRIVER_CAPABILITIES": "compute"})
+    assert req is not None
+    assert (req.count, req.devices, req.all_devices) == (2, (), False)
+    assert req.capabilities == {Capability.COMPUTE}
+    assert (req.source, req.raw) == (RequestSource.VISIBLE_DEVICES, "count=2")
+    assert asks_for_gpu(raw({"NVIDIA_VISIBLE_DEVICES": "count=2"}))
+    req = request({"NVIDIA_VISIBLE_DEVICES": "any"})
+    assert req is not None and (req.count, req.devices, req.all_devices) == (1, (), False)
+    listed_request = request({"NVIDIA_VISIBLE_DEVICES": "0,1"})
+    assert listed_request is not None and listed_request.count is None
+

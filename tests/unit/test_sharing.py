@@ -354,6 +354,17 @@ def test_state_dir_null_with_a_limiting_device_file_is_refused(tmp_path: Path) -
         parse_config(f"state_dir: null\ndevice_policy: {device_file}\n")
 
 
+@pytest.mark.parametrize("device", ["0000:18:00.0", "18:00.0", "00000000:18:00.0"])
+def test_an_unquoted_decimal_pci_id_is_refused_with_the_way_out(device: str) -> None:
+    """YAML 1.1 reads an unquoted 0000:18:00.0 as the base-60 number 1080.0 (0000:1a:00.0 stays a string): the
+    refusal must say so and tell to quote it, not show the example the user believes they wrote."""
+    with pytest.raises(ConfigError) as excinfo:
+        parse_config(f"gpus:\n  - device: {device}\n    sharing: exclusive\n")
+    assert "gpus[0].device" in str(excinfo.value)
+    assert "quote" in str(excinfo.value)
+    assert _rules(parse_config(f"gpus:\n  - device: '{device}'\n    sharing: exclusive\n").gpus)[0][0].device == device
+
+
 def test_a_device_file_error_names_the_file(tmp_path: Path) -> None:
     """A bad device file is refused at config load with its own path and key; a missing one is named too."""
     device_file = tmp_path / "devices.json"
@@ -472,23 +483,24 @@ def test_a_capability_the_policy_does_not_allow_is_refused_naming_the_gpu_and_th
         "NVIDIA_VISIBLE_DEVICES='0': GPU 0 (GPU-00000000-aaaa-bbbb-cccc-dddddddddddd) may be given only compute, "
         "utility, and the container asks also for video")
     # all: GPU 0 is among them, refused the same way
-    with pytest.raises(PolicyError, match="GPU 0 .* may be given only compute, utility"):
+    with pytest.raises(PolicyError, match=r"GPU 0 .* may be given only compute, utility"):
         allocate(req(all_devices=True, caps=asked), inv, rules, Ledger(), container_id="x", now=NOW)
     # within the set: given
     assert allocate(req(GpuIndex(0)), inv, rules, Ledger(), container_id="x", now=NOW).devices == (_uuid(0),)
 
 
 def test_count_skips_gpus_whose_capabilities_do_not_allow_the_request() -> None:
-    """count=1 asking for video passes over GPU 0 (compute, utility only) to GPU 1; with no GPU allowing it,
-    the refusal says which GPU may be given what."""
+    """count=1 asking for video passes over GPU 0 (compute, utility only) to GPU 1; with too few GPUs allowing
+    it, the refusal is the policy's (waiting would not help) and says which GPU may be given what."""
     inv = host(2)
     restricted = GpuPolicy(capabilities=COMPUTE_UTILITY)
     asked = COMPUTE_UTILITY | {Capability.VIDEO}
     rules = {0: restricted, 1: UNLIMITED}
     assert allocate(req(count=1, caps=asked), inv, rules, Ledger(), container_id="x", now=NOW).devices == (_uuid(1),)
-    with pytest.raises(BusyError, match="1 of 2 free"):
+    with pytest.raises(PolicyError, match="only 1 of 2 may be given compute, utility, video") as refused:
         allocate(req(count=2, caps=asked), inv, rules, Ledger(), container_id="x", now=NOW)
-    with pytest.raises(BusyError, match="GPU 0 may be given only compute, utility; GPU 1 may be given only compute"):
+    assert not isinstance(refused.value, BusyError)
+    with pytest.raises(PolicyError, match="GPU 0 may be given only compute, utility; GPU 1 may be given only compute"):
         allocate(req(count=1, caps=asked), inv, {0: restricted, 1: restricted}, Ledger(), container_id="x", now=NOW)
 
 
@@ -516,7 +528,7 @@ def test_mig_devices_and_their_parent_hold_each_other() -> None:
     sliced = Ledger((lease("a", migs[0].uuid, pid=7),))
     with pytest.raises(BusyError, match=r"GPU 0 \(GPU-00000000-aaaa-bbbb-cccc-dddddddddddd\) is exclusive, held by a"):
         allocate(req(GpuIndex(0)), inv, rules, sliced, container_id="b", now=NOW)
-    with pytest.raises(BusyError, match="MIG device .* held by a"):
+    with pytest.raises(BusyError, match=r"MIG device .* held by a"):
         allocate(req(MigIndex(0, 0)), inv, rules, sliced, container_id="b", now=NOW)
     assert allocate(req(MigIndex(0, 1)), inv, rules, sliced, container_id="b", now=NOW).devices == (migs[1].uuid,)
     assert allocate(req(count=1), inv, rules, sliced, container_id="b", now=NOW).devices == (_uuid(1),)
