@@ -45,7 +45,7 @@ from gpuhook.planning.planner import Target, live_needs, make_plan, plan_devices
 from gpuhook.request.model import GpuRequest
 from gpuhook.request.parse import parse_request
 from gpuhook.sharing.allocate import allocate
-from gpuhook.sharing.ledger import Lease, Ledger
+from gpuhook.sharing.ledger import Holder, Lease, Ledger
 from gpuhook.sharing.policy import GpuPolicy
 
 TYPE_CHECKING = False
@@ -115,8 +115,7 @@ def start_hook(config: Config, state_obj: Mapping[str, Any], spec_obj: Mapping[s
         )
     _log_request(request, **({"daemon": daemon_note} if daemon_note else {}))
     start(config, request, Container(id=state.id, pid=state.pid, rootfs=spec.rootfs),
-          runtime_devices=spec.runtime_devices,
-          started=started, ahead=ahead)
+          runtime_devices=spec.runtime_devices, started=started, ahead=ahead)
 
 
 def start(config: Config, request: GpuRequest, container: Container, *, placement: Placement = Placement(),
@@ -137,19 +136,7 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
     with opened_container(ref.pid) as pidfd, contextlib.ExitStack() as undo:
         # The undo stack: each effect's undo is pushed as soon as the effect exists; any failure
         # later unwinds them all, newest first (the rootfs child undoes its own changes itself).
-        holder = None
-        if config.state_dir is not None and _holds_devices(request):
-            step = time.monotonic()
-            holder = leases.holder_of(container.pid, pidfd)
-            taken = leases.take(config.state_dir, request, narrow_to_live(inventory, found.live),
-                                config.gpus.resolve(inventory.gpus), container_id=container.id, holder=holder,
-                                unhealthy=_unhealthy(inventory, found, target))
-            request = taken.allocation.request
-            undo.callback(leases.drop, config.state_dir, container.id, holder)
-            log.info("lease_reserved", devices=list(taken.allocation.devices), ms=_ms(step),
-                     reclaimed=[lease.container_id for lease in taken.reclaimed])
-        else:
-            request = _allocated(config, request, found, Ledger(), container_id=container.id, target=target)
+        request, holder = _reserve(config, request, found, target, container, pidfd, undo)
         plan = make_plan(request, inventory, found.live, target)
         _log_plan(plan)
         step = time.monotonic()
@@ -250,6 +237,23 @@ def status(config: Config) -> HostStatus:
     inventory = narrow_to_live(found.inventory, found.live)
     policies = config.gpus.resolve(inventory.gpus)
     return HostStatus(inventory=inventory, policies=policies, ledger=reclaim_gone(config)[0])
+
+
+def _reserve(config: Config, request: GpuRequest, found: Found, target: Target, container: Container, pidfd: int,
+             undo: contextlib.ExitStack) -> tuple[GpuRequest, Holder | None]:
+    """A start's first effect: its lease reserved under the policy (the gone holders' reclaimed first),
+    its undo pushed on *undo*; (the request with ``count`` placed, the holder; None: no lease taken)."""
+    if config.state_dir is None or not _holds_devices(request):
+        return _allocated(config, request, found, Ledger(), container_id=container.id, target=target), None
+    step = time.monotonic()
+    holder = leases.holder_of(container.pid, pidfd)
+    inventory = narrow_to_live(found.inventory, found.live)
+    taken = leases.take(config.state_dir, request, inventory, config.gpus.resolve(inventory.gpus),
+                        container_id=container.id, holder=holder, unhealthy=_unhealthy(inventory, found, target))
+    undo.callback(leases.drop, config.state_dir, container.id, holder)
+    get_logger().info("lease_reserved", devices=list(taken.allocation.devices), ms=_ms(step),
+                      reclaimed=[lease.container_id for lease in taken.reclaimed])
+    return taken.allocation.request, holder
 
 
 def _holds_devices(request: GpuRequest) -> bool:

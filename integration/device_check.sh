@@ -7,7 +7,8 @@
 # which builds .cache/rootfs). It prints `gpuhook info`, `gpuhook doctor`, then starts a real busybox
 # container under runc with NVIDIA_VISIBLE_DEVICES=0 five times with the hook in-process, five
 # times through a gpuhookd and five times with gpuhook-relay (.venv/bin) through that gpuhookd, and
-# shows what it sees; figures go to $OUT.
+# shows what it sees (GPU 0 is exclusive: each run takes and gives back its lease; `gpuhook status`
+# after the runs must show no holder); figures go to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpuhook-device-check}
 # Overridable to rehearse the script on a simulated host: DRIVER_ROOT=DIR DEV_ROOT=DIR PROC_ROOT=DIR.
@@ -28,6 +29,10 @@ proc_root: $PROC_ROOT
 log_file: $OUT/gpuhook.log
 log_level: debug
 cache_dir: $WORK/cache
+state_dir: $WORK/state
+gpus:
+  - device: "0"
+    sharing: exclusive
 CFG
 
 echo "== gpuhook info"; "$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" info 2>&1 | tee "$OUT/info.txt"
@@ -75,5 +80,7 @@ sleep 1  # the spare workers prepare
 write_spec "$WORK/gpuhookd/gpuhookd.sock" && runs gpuhookd
 echo "== runc run with gpuhook-relay, through gpuhookd"
 write_spec "$WORK/gpuhookd/gpuhookd.sock" relay && runs relay
+echo "== the lease ledger after the runs (every holder exited: gpuhookd released them all)"
+"$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" status 2>&1 | tee "$OUT/status.txt"
 kill "$DAEMON"; wait "$DAEMON" 2>/dev/null
 grep -c '"served_by": "gpuhookd"' "$OUT/gpuhook.log" | sed 's/^/log events served by gpuhookd: /' | tee -a "$OUT/timings.txt"

@@ -62,6 +62,22 @@ def _ldconfig_check(config: Config) -> Check:
     return Check(name="ldconfig", verdict=Verdict.OK, message=f"{config.ldconfig} is static")
 
 
+def _leases_check(config: Config) -> Check:
+    """Does the sharing policy fit this host's GPUs, and can the lease ledger be read and written?"""
+    if config.state_dir is None:
+        return Check(name="leases", verdict=Verdict.NOTE, message="state_dir is null: no leases are kept")
+    try:
+        report = service.status(config)  # reclaims the leases of gone holders, as every GPU start does
+    except GpuHookError as err:
+        return Check(name="leases", verdict=Verdict.FAIL, message=str(err),
+                     fix="correct the policy (gpus: / device_policy:) or state_dir as the message says")
+    held = {d for lease in report.ledger.leases for d in lease.devices}
+    limited = sum(policy.limit is not None for policy in report.policies.values())
+    return Check(name="leases", verdict=Verdict.OK, message=(
+        f"{len(report.ledger.leases)} lease(s) holding {len(held)} device(s) in {config.state_dir}; "
+        f"{limited} of {len(report.policies)} GPU(s) with a sharing limit ({config.gpus.source})"))
+
+
 _ENGINE_BINARIES = {"docker": "dockerd", "containerd": "containerd", "podman": "podman", "crio": "crio"}
 
 
@@ -131,7 +147,8 @@ def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str], *,
     driver = cgroup_driver(pid1=(_read("/proc/1/comm") or "").strip(), mode=mode,
                            docker_daemon_json=_read("/etc/docker/daemon.json"),
                            containerd_toml=_read("/etc/containerd/config.toml"))
-    checks = (*_driver_checks(config), _ldconfig_check(config), *cgroup_checks(mode, driver), *_engines(),
+    checks = (*_driver_checks(config), _ldconfig_check(config), _leases_check(config), *cgroup_checks(mode, driver),
+              *_engines(),
               *_cdi(config_arg, config, env), daemon_check(daemon_socket))
     sys.stdout.write("".join(check.render() + "\n" for check in checks))
     return 1 if any(check.verdict is Verdict.FAIL for check in checks) else 0

@@ -1,0 +1,438 @@
+"""Issue 15: per-GPU sharing policy and leases, with real runc containers that keep running.
+
+Each container here runs detached (``runc run -d``) and sleeps, so it holds its GPUs while the test
+starts others; gpuhook is its prestart and (unless a test says otherwise) its poststop hook. Every
+test has a policy and a ledger (``state_dir``) of its own, and force-deletes what it started. A
+container writes the GPU nodes it sees (``ls /dev``) into a host directory bind-mounted at ``/out``:
+what it really got, checked beside the ledger and ``gpuhook status``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from integration.engines import default_spec, leftover_cgroups, require_tool, unique_id, write_bundle
+from integration.fakehost import FakeHost, create_host
+from integration.gpuhookd import Gpuhookd
+from integration.rootfs import copy_rootfs
+
+from .conftest import hook_entry, relay_entry
+
+GPU0 = {"NVIDIA_VISIBLE_DEVICES": "0"}
+ANY = {"NVIDIA_VISIBLE_DEVICES": "any"}
+COUNT2 = {"NVIDIA_VISIBLE_DEVICES": "count=2"}
+#: Writes the container's /dev listing to /out/dev (whole, by rename), then holds its GPUs until killed.
+SLEEPER = "ls /dev > /out/.dev && mv /out/.dev /out/dev && exec sleep 1000"
+WAIT_S = 30.0
+#: The issue says a lease is gone "within a second" of its holder's exit with gpuhookd; a busy CI machine gets 5.
+DAEMON_RELEASE_BOUND_S = 5.0
+SINCE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+_NODE = re.compile(r"nvidia(\d+)")
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = WAIT_S) -> float:
+    """Poll *check* until it holds; the seconds it took. Fails naming *what* after *timeout*."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what}: not so after {timeout:g} s")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+@dataclass(frozen=True, slots=True)
+class Bundle:
+    """One prepared container: its id, its bundle dir, and the host dir it sees as /out."""
+
+    id: str
+    path: Path
+    out: Path
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """What ``runc run -d`` said: its exit status and its stderr (gpuhook's refusal, if any)."""
+
+    bundle: Bundle
+    returncode: int
+    stderr: str
+
+    @property
+    def id(self) -> str:
+        """The container id."""
+        return self.bundle.id
+
+
+class Site:
+    """One test's policy on a simulated host: its config and ledger, and every container it started."""
+
+    def __init__(self, tmp: Path, host: FakeHost, rootfs_src: Path, gpus: Sequence[Mapping[str, Any]]) -> None:
+        self.tmp = tmp
+        tmp.mkdir()
+        self.host = host
+        self.rootfs_src = rootfs_src
+        self.state_dir = tmp / "state"
+        lines = [line for line in host.config_path.read_text().splitlines() if not line.startswith("state_dir:")]
+        text = "\n".join(lines) + f"\nstate_dir: {self.state_dir}\n"
+        if gpus:
+            text += yaml.safe_dump({"gpus": [dict(entry) for entry in gpus]})
+        self.config = tmp / "gpuhook.yaml"
+        self.config.write_text(text)
+        self.runc = require_tool("runc")
+        self.ids: list[str] = []
+        self._count = 0
+        self._by_uuid = {gpu.uuid.casefold(): gpu.index for gpu in host.gpus}
+        self._by_minor = {gpu.minor: gpu.index for gpu in host.gpus}
+
+    # -- containers ----------------------------------------------------------------------------------
+
+    def bundle(self, env: Mapping[str, str], *, poststop: bool = True,
+               prestart: dict[str, Any] | None = None) -> Bundle:
+        """A sleeping container asking for *env*, gpuhook its prestart hook (and poststop hook, unless not)."""
+        self._count += 1
+        path = self.tmp / f"bundle{self._count}"
+        out = self.tmp / f"out{self._count}"
+        out.mkdir()
+        copy_rootfs(self.rootfs_src, path / "rootfs")
+        hooks: dict[str, Any] = {"prestart": [prestart or hook_entry(self.config, "prestart")]}
+        if poststop:
+            hooks["poststop"] = [hook_entry(self.config, "poststop")]
+        spec = default_spec("rootfs", ["/bin/sh", "-c", SLEEPER],
+                            ["PATH=/usr/local/bin:/usr/bin:/bin", *(f"{k}={v}" for k, v in env.items())],
+                            hooks=hooks, capabilities=["CAP_MKNOD"])
+        spec["mounts"].append({"destination": "/out", "type": "bind", "source": str(out), "options": ["rbind", "rw"]})
+        write_bundle(path, spec)
+        return Bundle(id=unique_id("lease"), path=path, out=out)
+
+    def start(self, bundle: Bundle) -> Started:
+        """``runc run -d``: the container left running (or refused). Its stdio are files, never our pipes:
+        the sleeping container would hold a pipe open, and nobody would see its end."""
+        self.ids.append(bundle.id)
+        err = bundle.path / "runc.err"
+        with err.open("w+b") as stderr:
+            proc = subprocess.run([self.runc, "run", "-d", "--bundle", str(bundle.path), bundle.id],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                                  timeout=WAIT_S * 2, check=False)
+        return Started(bundle, proc.returncode, err.read_text(errors="replace"))
+
+    def run(self, env: Mapping[str, str], *, poststop: bool = True,
+            prestart: dict[str, Any] | None = None) -> Started:
+        """A new container asking for *env*, started."""
+        return self.start(self.bundle(env, poststop=poststop, prestart=prestart))
+
+    def runc_cmd(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """``runc ARGS``, its output captured (for commands that start no container)."""
+        return subprocess.run([self.runc, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=WAIT_S, check=False)
+
+    def state(self, container_id: str) -> dict[str, Any] | None:
+        """``runc state``: the container's status and init pid; None if runc knows no such container."""
+        proc = self.runc_cmd("state", container_id)
+        return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+    def delete(self, container_id: str) -> None:
+        """``runc delete --force``: kill it, and run its poststop hooks."""
+        proc = self.runc_cmd("delete", "--force", container_id)
+        assert proc.returncode == 0, proc.stderr
+
+    def kill(self, container_id: str) -> None:
+        """``runc kill ID KILL``: its init dies; runc runs no hook; wait until runc sees it stopped."""
+        proc = self.runc_cmd("kill", container_id, "KILL")
+        assert proc.returncode == 0, proc.stderr
+        wait_for(f"{container_id} stopped", lambda: (self.state(container_id) or {}).get("status") == "stopped")
+
+    def cleanup(self) -> None:
+        """Force-delete every container this site started; none may be left."""
+        for container_id in self.ids:
+            if Path("/run/runc", container_id).exists():
+                self.runc_cmd("delete", "--force", container_id)
+        left = [i for i in self.ids if Path("/run/runc", i).exists()]
+        assert not left, f"runc delete --force left {left}"
+
+    # -- what the containers and gpuhook say ----------------------------------------------------------
+
+    def started(self, started: Started) -> set[int]:
+        """*started* runs: the GPU indexes whose /dev/nvidiaN nodes it sees."""
+        assert started.returncode == 0, started.stderr
+        listing = started.bundle.out / "dev"
+        wait_for(f"{started.id} wrote its /dev listing", listing.exists)
+        return {self._by_minor[int(m[1])] for name in listing.read_text().split() if (m := _NODE.fullmatch(name))}
+
+    def refused(self, started: Started, *needles: str) -> None:
+        """*started* was refused with a gpuhook message holding every needle, and left nothing behind."""
+        assert started.returncode != 0, f"{started.id} started, expected a refusal"
+        assert "gpuhook: " in started.stderr and "Traceback" not in started.stderr, started.stderr
+        for needle in needles:
+            assert needle in started.stderr, f"{needle!r} not in runc's error:\n{started.stderr}"
+        assert not list(started.bundle.out.iterdir()), "the refused container's process ran"
+        assert self.state(started.id) is None and not Path("/run/runc", started.id).exists()
+        assert started.id not in self.holders(), self.leases()
+
+    def pid(self, container_id: str) -> int:
+        """The container's init pid, as runc knows it."""
+        state = self.state(container_id)
+        assert state is not None, f"runc knows no {container_id}"
+        return int(state["pid"])
+
+    def leases(self) -> list[dict[str, Any]]:
+        """The leases in ``<state_dir>/leases.json``, as stored (read directly: nothing is reclaimed)."""
+        path = self.state_dir / "leases.json"
+        if not path.exists():
+            return []
+        leases: list[dict[str, Any]] = json.loads(path.read_text())["leases"]
+        return leases
+
+    def holders(self) -> dict[str, set[int]]:
+        """Container id → the GPU indexes its lease holds, from the ledger file."""
+        return {lease["container_id"]: {self._by_uuid[d.casefold()] for d in lease["devices"]}
+                for lease in self.leases()}
+
+    def gpuhook(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """``gpuhook --config CONFIG ARGS`` (as root, as an admin runs it)."""
+        return subprocess.run([sys.executable, "-I", "-m", "gpuhook", "--config", str(self.config), *args],
+                              capture_output=True, text=True, timeout=WAIT_S, check=False, cwd="/")
+
+    def status(self) -> dict[str, Any]:
+        """``gpuhook status --json``."""
+        proc = self.gpuhook("status", "--json")
+        assert proc.returncode == 0, proc.stderr
+        data: dict[str, Any] = json.loads(proc.stdout)
+        return data
+
+    def status_holders(self) -> dict[str, set[int]]:
+        """Container id → the GPU indexes ``gpuhook status --json`` lists it as a holder of."""
+        out: dict[str, set[int]] = {}
+        for gpu in self.status()["gpus"]:
+            for holder in gpu["holders"]:
+                out.setdefault(holder["container_id"], set()).add(gpu["index"])
+        return out
+
+
+MakeSite = Callable[..., Site]
+
+
+@pytest.fixture(scope="module")
+def host8(tmp_path_factory: pytest.TempPathFactory) -> FakeHost:
+    """A simulated 8-GPU host; world-readable so unprivileged commands can read it."""
+    parent = tmp_path_factory.mktemp("fakehost8")
+    for path in (parent, *parent.parents):
+        if path == Path("/tmp"):
+            break
+        path.chmod(0o755)
+    return create_host(parent / "host", gpus=8)
+
+
+@pytest.fixture
+def make_site(tmp_path: Path, rootfs_src: Path) -> Iterator[MakeSite]:
+    """``make_site(host, gpus)``: a Site with the policy *gpus* (the ``gpus:`` list); its containers are
+    force-deleted after the test."""
+    sites: list[Site] = []
+
+    def make(host: FakeHost, gpus: Sequence[Mapping[str, Any]] = ()) -> Site:
+        site = Site(tmp_path / f"site{len(sites)}", host, rootfs_src, gpus)
+        sites.append(site)
+        return site
+
+    try:
+        yield make
+    finally:
+        for site in sites:
+            site.cleanup()
+
+
+EXCLUSIVE0 = [{"device": 0, "sharing": "exclusive"}]
+ALL_EXCLUSIVE = [{"device": "all", "sharing": "exclusive"}]
+
+
+def test_exclusive_gpu_is_refused_while_held_and_free_after_delete(make_site: MakeSite, host8: FakeHost) -> None:
+    """GPU 0 exclusive: A holds it while it runs; B's start for GPU 0 is refused naming A (and leaves no
+    lease); once `runc delete --force A` has run A's poststop, B starts on GPU 0."""
+    site = make_site(host8, EXCLUSIVE0)
+    a = site.run(GPU0)
+    assert site.started(a) == {0}
+    assert site.holders() == {a.id: {0}}
+    b = site.bundle(GPU0)
+    site.refused(site.start(b), a.id, "GPU 0", "exclusive", "gpuhook release")
+    assert site.holders() == {a.id: {0}}
+    site.delete(a.id)
+    assert site.holders() == {}  # the poststop released it, before runc delete returned
+    again = site.start(b)
+    assert site.started(again) == {0}
+    assert site.holders() == {b.id: {0}}
+
+
+def test_killed_holder_without_poststop_is_reclaimed_by_the_next_start(make_site: MakeSite, host8: FakeHost) -> None:
+    """A registered without poststop and no gpuhookd: `runc kill A KILL` leaves its lease in the ledger; B's
+    start for GPU 0 finds A's holder gone, reclaims the lease and starts."""
+    site = make_site(host8, EXCLUSIVE0)
+    a = site.run(GPU0, poststop=False)
+    assert site.started(a) == {0}
+    site.kill(a.id)
+    assert site.holders() == {a.id: {0}}  # nobody released it: no poststop, no gpuhookd
+    b = site.run(GPU0, poststop=False)
+    assert site.started(b) == {0}, b.stderr
+    assert site.holders() == {b.id: {0}}
+    assert site.leases()[0]["pid"] == site.pid(b.id)
+
+
+@pytest.mark.parametrize("via", ["daemon-socket", "relay"])
+def test_gpuhookd_releases_a_lease_when_its_holder_exits(make_site: MakeSite, host8: FakeHost, relay: Path,
+                                                          via: str) -> None:
+    """gpuhookd serving the config (the hook handing it the start, or gpuhook-relay), A registered without
+    poststop (as docker --gpus registers it): A's lease is gone by itself within a second of A's exit (5 s
+    allowed on a busy machine), with nobody calling `gpuhook status` or starting another container."""
+    site = make_site(host8, EXCLUSIVE0)
+    daemon = Gpuhookd(sys.executable, site.tmp / "gpuhookd", config=site.config)
+    try:
+        argv = ("--daemon-socket", daemon.socket, "prestart")
+        prestart = hook_entry(site.config, *argv) if via == "daemon-socket" else relay_entry(relay, site.config, *argv)
+        a = site.run(GPU0, poststop=False, prestart=prestart)
+        assert site.started(a) == {0}
+        assert site.holders() == {a.id: {0}}
+        served = [json.loads(line) for line in (host8.root / "gpuhook.log").read_text().splitlines() if a.id in line]
+        assert any(e.get("event") == "applied" and e.get("served_by") == "gpuhookd" for e in served), served
+        start = time.monotonic()
+        proc = site.runc_cmd("kill", a.id, "KILL")
+        assert proc.returncode == 0, proc.stderr
+        wait_for(f"gpuhookd released {a.id}'s lease", lambda: a.id not in site.holders())
+        took = time.monotonic() - start
+        print(f"gpuhookd released the lease {took * 1000:.0f} ms after `runc kill` ({via})")
+        assert took < DAEMON_RELEASE_BOUND_S, f"the lease went {took:.2f} s after the kill"
+        assert site.leases() == []
+    finally:
+        journal = daemon.stop()
+    assert "request failed" not in journal and "Traceback" not in journal, journal
+
+
+def test_shared_gpu_takes_replicas_containers(make_site: MakeSite, host8: FakeHost) -> None:
+    """GPU 0 shared with replicas 2: A and B start on it, C is refused naming both, and starts once A ends."""
+    site = make_site(host8, [{"device": 0, "sharing": "shared", "replicas": 2}])
+    a, b = site.run(GPU0), site.run(GPU0)
+    assert site.started(a) == site.started(b) == {0}
+    c = site.bundle(GPU0)
+    site.refused(site.start(c), a.id, b.id, "shared")
+    assert site.holders() == {a.id: {0}, b.id: {0}}
+    site.delete(a.id)
+    assert site.started(site.start(c)) == {0}
+    assert site.holders() == {b.id: {0}, c.id: {0}}
+
+
+def test_count_takes_free_gpus_all_or_nothing(make_site: MakeSite, host: FakeHost) -> None:
+    """count=2 on 4 exclusive GPUs: A gets 0 and 1, B 2 and 3 (disjoint, as they see and as the ledger says);
+    C is refused (none free), and nothing of it is leased."""
+    site = make_site(host, ALL_EXCLUSIVE)
+    a, b = site.run(COUNT2), site.run(COUNT2)
+    assert site.started(a) == {0, 1}
+    assert site.started(b) == {2, 3}
+    assert site.holders() == {a.id: {0, 1}, b.id: {2, 3}}
+    site.refused(site.run(COUNT2), "count=2", "2 GPUs asked, 0 of 4 free", a.id, b.id)
+    site.delete(b.id)
+    c = site.run(COUNT2)
+    assert site.started(c) == {2, 3}
+    assert site.holders() == {a.id: {0, 1}, c.id: {2, 3}}
+
+
+def test_any_picks_the_least_leased_gpu(make_site: MakeSite, host: FakeHost) -> None:
+    """Unlimited GPUs (NVIDIA's default) are leased too, and `any` takes the least held one, then the lowest
+    index: with GPU 0 held twice and GPU 1 once, `any` gets 2, then 3, then 1 (not 0)."""
+    site = make_site(host)
+    held = [site.run({"NVIDIA_VISIBLE_DEVICES": "0,1"}), site.run(GPU0)]
+    assert [site.started(s) for s in held] == [{0, 1}, {0}]
+    picked = []
+    for _ in range(3):
+        started = site.run(ANY)
+        picked.append(site.started(started))
+        assert site.holders()[started.id] == picked[-1]
+    assert picked == [{2}, {3}, {1}]
+
+
+def test_fifty_concurrent_starts_on_eight_exclusive_gpus(make_site: MakeSite, host8: FakeHost) -> None:
+    """50 containers asking for `any`, started 16 at a time, on 8 exclusive GPUs: exactly 8 run, each on a
+    GPU of its own (as each sees it, and as the ledger says); the 42 others are refused with the busy
+    message and leave no runc state, cgroup or lease; once all are deleted the ledger is empty."""
+    site = make_site(host8, ALL_EXCLUSIVE)
+    bundles = [site.bundle(ANY) for _ in range(50)]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        results = list(pool.map(site.start, bundles))
+    running = [r for r in results if r.returncode == 0]
+    refused = [r for r in results if r.returncode != 0]
+    assert len(running) == 8, [r.stderr for r in refused if "0 of 8 free" not in r.stderr][:3]
+    seen = {r.id: site.started(r) for r in running}
+    assert all(len(gpus) == 1 for gpus in seen.values()), seen
+    assert sorted(next(iter(gpus)) for gpus in seen.values()) == list(range(8)), seen  # no two share one
+    assert site.holders() == seen
+    assert {lease["container_id"]: lease["pid"] for lease in site.leases()} == {r.id: site.pid(r.id) for r in running}
+    assert all(lease["state"] == "active" for lease in site.leases())
+    for r in refused:
+        site.refused(r, "NVIDIA_VISIBLE_DEVICES='any'", "1 GPU asked, 0 of 8 free")
+        assert not leftover_cgroups(r.id), r.id
+    for r in running:
+        site.delete(r.id)
+    assert site.leases() == []
+    assert site.status_holders() == {}
+
+
+def test_status_names_the_holder_while_it_runs(make_site: MakeSite, host8: FakeHost) -> None:
+    """`gpuhook status` (JSON and table) shows A, with its init pid and since when, as GPU 0's only holder
+    while A runs, every other GPU free; after `runc delete` no GPU has a holder."""
+    site = make_site(host8, EXCLUSIVE0)
+    a = site.run(GPU0)
+    assert site.started(a) == {0}
+    gpus = site.status()["gpus"]
+    assert [g["index"] for g in gpus] == list(range(8))
+    first = gpus[0]
+    assert (first["uuid"], first["sharing"], first["replicas"]) == (host8.gpus[0].uuid, "exclusive", None)
+    assert first["model"] == host8.gpus[0].name and first["pci_bus_id"]
+    [holder] = first["holders"]
+    assert (holder["container_id"], holder["pid"], holder["state"], holder["whole_gpu"], holder["mig_uuids"]) == (
+        a.id, site.pid(a.id), "active", True, [])
+    assert SINCE.fullmatch(holder["since"]), holder
+    assert all(g["holders"] == [] and g["sharing"] == "unlimited" for g in gpus[1:]), gpus[1:]
+    table = site.gpuhook("status")
+    assert table.returncode == 0, table.stderr
+    rows = table.stdout.splitlines()
+    assert rows[0].split()[:2] == ["GPU", "UUID"]
+    row0 = next(r for r in rows[1:] if r.split()[0] == "0")
+    assert a.id in row0 and host8.gpus[0].uuid in row0 and "exclusive" in row0 and f"pid {site.pid(a.id)}" in row0
+    assert sum(a.id in r for r in rows) == 1, table.stdout
+    site.delete(a.id)
+    assert all(g["holders"] == [] for g in site.status()["gpus"])
+    after = site.gpuhook("status")
+    assert after.returncode == 0 and a.id not in after.stdout, after.stdout
+
+
+def test_release_by_hand_frees_a_running_holder(make_site: MakeSite, host8: FakeHost) -> None:
+    """A refused start leaves the ledger as it was; `gpuhook release A` drops A's lease though A still runs,
+    and then B starts on GPU 0; releasing it again is refused, naming the container."""
+    site = make_site(host8, EXCLUSIVE0)
+    a = site.run(GPU0)
+    assert site.started(a) == {0}
+    before = site.leases()
+    b = site.bundle(GPU0)
+    site.refused(site.start(b), a.id)
+    assert site.leases() == before
+    released = site.gpuhook("release", a.id)
+    assert released.returncode == 0, released.stderr
+    assert a.id in released.stdout and host8.gpus[0].uuid in released.stdout, released.stdout
+    assert site.holders() == {}
+    assert (site.state(a.id) or {}).get("status") == "running"
+    assert site.started(site.start(b)) == {0}
+    assert site.holders() == {b.id: {0}}
+    again = site.gpuhook("release", a.id)
+    assert again.returncode != 0 and a.id in again.stderr and "holds no lease" in again.stderr, again
+    assert "Traceback" not in again.stderr
+    site.delete(a.id)  # A's poststop: it holds no lease, and B's is not touched
+    assert site.holders() == {b.id: {0}}
+
