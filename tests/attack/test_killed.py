@@ -8,17 +8,21 @@ exited, which is the event these tests wait for before they look at the rootfs.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from integration.engines import run_container, unique_id
+from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
 
 from .conftest import Progs
@@ -118,17 +122,21 @@ def killing_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
                    report: tuple[Path, int]) -> Iterator[Gpuhookd]:
     """gpuhookd under killat.py, armed with the test's trigger (``wrapper`` runs only the daemon under it)."""
     path, _ = report
-    base = tmp_path_factory.mktemp("killd")
-    wrapper = base / "python"
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        f'if [ "$4" = daemon ]; then exec {PYTHON} -I {KILLAT} {path} {request.param} worker -- {PYTHON} "$@"; fi\n'
-        f'exec {PYTHON} "$@"\n')
-    wrapper.chmod(0o755)
-    daemon = Gpuhookd(wrapper, base / "run", config=hook_rig.base_config)
+    daemon = daemon_under_killat(tmp_path_factory.mktemp("killd"), path, request.param, hook_rig.base_config)
     yield daemon
     journal = daemon.stop()
     assert "request failed" not in journal and "Traceback" not in journal, journal
+
+
+def daemon_under_killat(base: Path, report: Path, trigger: str, config: Path) -> Gpuhookd:
+    """gpuhookd serving *config* under killat.py armed with *trigger* (``wrapper`` runs only the daemon under it)."""
+    wrapper = base / "python"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$4" = daemon ]; then exec {PYTHON} -I {KILLAT} {report} {trigger} worker -- {PYTHON} "$@"; fi\n'
+        f'exec {PYTHON} "$@"\n')
+    wrapper.chmod(0o755)
+    return Gpuhookd(wrapper, base / "run", config=config)
 
 
 @pytest.mark.parametrize("killing_daemon", STEPS, indirect=True)
@@ -140,3 +148,123 @@ def test_worker_killed_mid_apply_leaves_nothing(hook_rig: Rig, killing_daemon: G
     hook = {"path": PYTHON, "args": hook_command(hook_rig.base_config, via=Via(killing_daemon.socket)),
             "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
     run_killed(hook_rig, hook, fd, compat_lib)
+
+
+# --- issue 15: a start killed mid-apply leaves no lease ----------------------------------------------
+
+#: "A few seconds": gpuhookd releases a lease once its holder exits (the issue: within a second).
+SELF_RELEASE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Leasing:
+    """A config with GPU 0 exclusive and a ledger of its own (outside the rig's watched tree)."""
+
+    config: Path
+    state_dir: Path
+
+    def leases(self) -> list[dict[str, Any]]:
+        """The leases in ``<state_dir>/leases.json`` as stored (reading it reclaims nothing)."""
+        path = self.state_dir / "leases.json"
+        leases: list[dict[str, Any]] = json.loads(path.read_text())["leases"] if path.exists() else []
+        return leases
+
+    def status_holders(self) -> list[str]:
+        """Every holder ``gpuhook status --json`` lists (it reclaims the leases of gone holders first)."""
+        proc = subprocess.run([PYTHON, "-I", "-m", "gpuhook", "--config", str(self.config), "status", "--json"],
+                              capture_output=True, text=True, timeout=30, check=False, cwd="/")
+        assert proc.returncode == 0, proc.stderr
+        return [h["container_id"] for gpu in json.loads(proc.stdout)["gpus"] for h in gpu["holders"]]
+
+
+@pytest.fixture
+def leasing(hook_rig: Rig, tmp_path_factory: pytest.TempPathFactory) -> Leasing:
+    """hook_rig's config with GPU 0 exclusive and its state_dir in a fresh directory."""
+    state_dir = tmp_path_factory.mktemp("leases") / "state"
+    return Leasing(hook_rig.config(state_dir=state_dir, gpus=[{"device": 0, "sharing": "exclusive"}]), state_dir)
+
+
+def reserved_since(host: FakeHost, offset: int) -> list[dict[str, Any]]:
+    """The ``lease_reserved`` events the hook log got past *offset*."""
+    with (host.root / "gpuhook.log").open("rb") as log:
+        log.seek(offset)
+        return [e for line in log.read().splitlines() if (e := json.loads(line)).get("event") == "lease_reserved"]
+
+
+def log_offset(host: FakeHost) -> int:
+    """Where the hook log's next event will start."""
+    log = host.root / "gpuhook.log"
+    return log.stat().st_size if log.exists() else 0
+
+
+@pytest.mark.parametrize("trigger", STEPS)
+def test_hook_killed_mid_apply_leaves_no_lease(hook_rig: Rig, leasing: Leasing, report: tuple[Path, int],
+                                              compat_lib: Path, trigger: str) -> None:
+    """The in-process hook SIGKILLed at the step, after it reserved GPU 0's lease: it could drop nothing, and
+    no gpuhookd watches this ledger; once `gpuhook status` has reclaimed, no GPU has a holder and
+    leases.json holds no lease (and GPU 0 is free again)."""
+    path, fd = report
+    hook = {"path": PYTHON, "args": [PYTHON, "-I", str(KILLAT), str(path), trigger, "hook", "--",
+                                     *hook_command(leasing.config)],
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+    offset = log_offset(hook_rig.host)
+    run_killed(hook_rig, hook, fd, compat_lib)
+    assert len(reserved_since(hook_rig.host, offset)) == 1, "the killed start never reserved its lease"
+    assert leasing.status_holders() == []
+    assert leasing.leases() == []
+
+
+@pytest.fixture
+def leasing_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, leasing: Leasing,
+                   report: tuple[Path, int]) -> Iterator[Gpuhookd]:
+    """killing_daemon, serving the leasing config."""
+    daemon = daemon_under_killat(tmp_path_factory.mktemp("killd"), report[0], request.param, leasing.config)
+    yield daemon
+    journal = daemon.stop()
+    assert "request failed" not in journal and "Traceback" not in journal, journal
+
+
+@pytest.mark.parametrize("leasing_daemon", STEPS, indirect=True)
+def test_worker_killed_mid_apply_leaves_no_lease(hook_rig: Rig, leasing: Leasing, leasing_daemon: Gpuhookd,
+                                                report: tuple[Path, int], compat_lib: Path) -> None:
+    """A gpuhookd worker SIGKILLed at the step, after it reserved GPU 0's lease: the daemon (the worker's
+    parent, still running) releases the lease by itself within a few seconds of the container's end, nobody
+    calling `gpuhook status`; status then lists no holder either."""
+    _, fd = report
+    hook = {"path": PYTHON, "args": hook_command(leasing.config, via=Via(leasing_daemon.socket)),
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+    offset = log_offset(hook_rig.host)
+    run_killed(hook_rig, hook, fd, compat_lib)
+    assert len(reserved_since(hook_rig.host, offset)) == 1, "the killed start never reserved its lease"
+    deadline = time.monotonic() + SELF_RELEASE_S
+    while leasing.leases():
+        assert time.monotonic() < deadline, f"gpuhookd left the lease after {SELF_RELEASE_S:g} s: {leasing.leases()}"
+        time.sleep(0.02)
+    assert leasing.status_holders() == []
+
+
+@pytest.mark.parametrize("trigger", [pytest.param("429,429", id="second-bind-mount"),
+                                     pytest.param("44^c", id="after-report-before-commit")])
+def test_hook_killed_mid_apply_lease_released_by_gpuhookd(hook_rig: Rig, leasing: Leasing,
+                                                         report: tuple[Path, int], compat_lib: Path,
+                                                         tmp_path_factory: pytest.TempPathFactory,
+                                                         trigger: str) -> None:
+    """The in-process hook killed at the step while a gpuhookd serves the same config (but not this start):
+    the daemon sees the new lease in the ledger and releases it by itself once its holder is gone."""
+    path, fd = report
+    watcher = Gpuhookd(PYTHON, tmp_path_factory.mktemp("watch") / "run", config=leasing.config)
+    try:
+        hook = {"path": PYTHON, "args": [PYTHON, "-I", str(KILLAT), str(path), trigger, "hook", "--",
+                                         *hook_command(leasing.config)],
+                "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+        offset = log_offset(hook_rig.host)
+        run_killed(hook_rig, hook, fd, compat_lib)
+        assert len(reserved_since(hook_rig.host, offset)) == 1, "the killed start never reserved its lease"
+        deadline = time.monotonic() + SELF_RELEASE_S
+        while leasing.leases():
+            assert time.monotonic() < deadline, f"gpuhookd left the lease after {SELF_RELEASE_S:g} s"
+            time.sleep(0.02)
+    finally:
+        journal = watcher.stop()
+    assert "request failed" not in journal and "Traceback" not in journal, journal
+    assert leasing.status_holders() == []
