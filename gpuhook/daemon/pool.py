@@ -93,7 +93,7 @@ def serve(listener: socket.socket, *, request_timeout: float, config: OwnConfig,
                 break
             try:
                 worker = _fork_worker(listener, request_timeout, normal, config,
-                                      inherited=[w.end.fileno() for w in workers.values()])
+                                      inherited=[*(w.end.fileno() for w in workers.values()), *holders.fds()])
             except OSError as err:  # EAGAIN, ENOMEM: say so, retry soon
                 say(f"fork failed: {err}")
                 time.sleep(0.1)
@@ -144,7 +144,7 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int,
     code = 0  # pragma: no cover - the worker; exercised through real runc in tests/e2e
     try:
         ours.close()
-        for fd in inherited:  # the daemon's ends of the other workers' socketpairs
+        for fd in inherited:  # the daemon's ends of the other workers' socketpairs, its holders' pidfds
             os.close(fd)
         gc.disable()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the worker waits for its own children

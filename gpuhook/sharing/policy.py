@@ -241,9 +241,10 @@ def _capabilities(value: Any, where: str) -> frozenset[Capability] | None:
     if value is None:
         return None
     names = {c.value for c in Capability}
-    if not isinstance(value, list) or not all(isinstance(v, str) and v in names for v in value):
-        raise ConfigError(f"{where} must be a list of driver capabilities ({', '.join(sorted(names))}), got {value!r}")
-    return frozenset(Capability(v) for v in value)
+    if not isinstance(value, list) or not all(isinstance(v, str) and (v in names or v == "all") for v in value):
+        raise ConfigError(f"{where} must be a list of driver capabilities ({', '.join(sorted(names))}, or all), "
+                          f"got {value!r}")
+    return frozenset(Capability) if "all" in value else frozenset(Capability(v) for v in value)
 
 
 def _mig(value: Any, keys: _Keys, where: str) -> MigMode | None:

@@ -354,7 +354,7 @@ def test_graphics_files(host: FakeHost) -> None:
 
 
 def test_gpuhook_config(host: FakeHost) -> None:
-    """gpuhook.yaml points all three roots and the inventory cache at the host, and nothing else."""
+    """gpuhook.yaml points all three roots, the inventory cache and the lease ledger at the host, and nothing else."""
     text = host.config_path.read_text()
     assert text.startswith(f"# gpuhook config for the simulated GPU host in {host.root}\n")
     assert yaml.safe_load(text) == {
@@ -364,6 +364,7 @@ def test_gpuhook_config(host: FakeHost) -> None:
         "log_file": str(host.root / "gpuhook.log"),
         "log_level": "debug",
         "cache_dir": str(host.root / "run/gpuhook"),
+        "state_dir": str(host.root / "run/gpuhook"),
     }
 
 

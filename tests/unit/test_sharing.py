@@ -633,3 +633,13 @@ def test_a_malformed_ledger_is_a_state_error(data: Any, message: str) -> None:
         from_object(data, source="/run/gpuhook/leases.json")
     assert str(excinfo.value).startswith("/run/gpuhook/leases.json")
     assert "remove it to start afresh" in str(excinfo.value)
+
+
+def test_all_capabilities_in_a_policy_allow_every_request() -> None:
+    """``capabilities: [all]`` (as NVIDIA_DRIVER_CAPABILITIES spells it) allows every capability; the
+    policy then differs from no rule only in being explicit."""
+    config = parse_config("gpus:\n  - device: 0\n    capabilities: [all]\n")
+    rules = config.gpus.resolve(host(1).gpus)
+    assert rules[0].capabilities == frozenset(Capability)
+    assert allocate(req(GpuIndex(0), caps=frozenset(Capability)), host(1), rules, Ledger(), container_id="x",
+                    now=NOW).devices == (_uuid(0),)
