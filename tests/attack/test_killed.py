@@ -236,10 +236,7 @@ def test_worker_killed_mid_apply_leaves_no_lease(hook_rig: Rig, leasing: Leasing
     offset = log_offset(hook_rig.host)
     run_killed(hook_rig, hook, fd, compat_lib)
     assert len(reserved_since(hook_rig.host, offset)) == 1, "the killed start never reserved its lease"
-    deadline = time.monotonic() + SELF_RELEASE_S
-    while leasing.leases():
-        assert time.monotonic() < deadline, f"gpuhookd left the lease after {SELF_RELEASE_S:g} s: {leasing.leases()}"
-        time.sleep(0.02)
+    wait_until_released(leasing)
     assert leasing.status_holders() == []
 
 
@@ -260,11 +257,16 @@ def test_hook_killed_mid_apply_lease_released_by_gpuhookd(hook_rig: Rig, leasing
         offset = log_offset(hook_rig.host)
         run_killed(hook_rig, hook, fd, compat_lib)
         assert len(reserved_since(hook_rig.host, offset)) == 1, "the killed start never reserved its lease"
-        deadline = time.monotonic() + SELF_RELEASE_S
-        while leasing.leases():
-            assert time.monotonic() < deadline, f"gpuhookd left the lease after {SELF_RELEASE_S:g} s"
-            time.sleep(0.02)
+        wait_until_released(leasing)
     finally:
         journal = watcher.stop()
     assert "request failed" not in journal and "Traceback" not in journal, journal
     assert leasing.status_holders() == []
+
+
+def wait_until_released(leasing: Leasing) -> None:
+    """Wait (at most SELF_RELEASE_S) for the ledger to hold no lease, nobody calling `gpuhook status`."""
+    deadline = time.monotonic() + SELF_RELEASE_S
+    while leasing.leases():
+        assert time.monotonic() < deadline, f"gpuhookd left the lease after {SELF_RELEASE_S:g} s: {leasing.leases()}"
+        time.sleep(0.02)

@@ -24,9 +24,11 @@ import pytest
 import yaml
 
 from integration.engines import default_spec, leftover_cgroups, require_tool, unique_id, write_bundle
-from integration.fakehost import FakeHost, create_host
+from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
 from integration.rootfs import copy_rootfs
+
+from tests.conftest import readable_host
 
 from .conftest import hook_entry, relay_entry
 
@@ -226,12 +228,7 @@ MakeSite = Callable[..., Site]
 @pytest.fixture(scope="module")
 def host8(tmp_path_factory: pytest.TempPathFactory) -> FakeHost:
     """A simulated 8-GPU host; world-readable so unprivileged commands can read it."""
-    parent = tmp_path_factory.mktemp("fakehost8")
-    for path in (parent, *parent.parents):
-        if path == Path("/tmp"):
-            break
-        path.chmod(0o755)
-    return create_host(parent / "host", gpus=8)
+    return readable_host(tmp_path_factory, "fakehost8", gpus=8)
 
 
 @pytest.fixture
