@@ -171,3 +171,21 @@ def test_runtime_wrapper_edit_registers_poststop(tmp_path: Path, host: FakeHost)
     before = (plain / "config.json").read_text()
     runtime._edit(plain, str(host.config_path))
     assert (plain / "config.json").read_text() == before
+
+
+@pytest.mark.parametrize("engine", ["podman", "crio"])
+def test_a_hooks_d_file_formatted_another_way_is_left_alone(engine: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A package's own hooks.d files that say the same in other whitespace are not rewritten (nor
+    backed up): `install` on a packaged host changes nothing."""
+    run_install(engine, dry_run=False, root=tmp_path, bin_dir=Path(BIN))
+    written = [p for p in tmp_path.rglob("*.json") if "hooks.d" in str(p)]
+    assert len(written) == 2
+    for path in written:
+        path.write_text(json.dumps(json.loads(path.read_text()), indent=4, sort_keys=True))
+    before = {p: p.read_text() for p in written}
+    capsys.readouterr()
+    run_install(engine, dry_run=False, root=tmp_path, bin_dir=Path(BIN))
+    assert "nothing to change" in capsys.readouterr().out
+    assert {p: p.read_text() for p in written} == before
+    assert not list(tmp_path.rglob("*.gpuhook-backup"))
