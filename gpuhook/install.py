@@ -8,6 +8,8 @@ daemon to restart. Running it twice changes nothing the second time.
 from __future__ import annotations
 
 import json
+import re
+import tomllib
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -42,12 +44,56 @@ def docker_daemon_json(current: str | None, runtime: str) -> str:
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
+CONTAINERD_CONFIG: Final = "/etc/containerd/config.toml"
+CONTAINERD_DROPIN: Final = "/etc/containerd/conf.d/gpuhook.toml"
+CONTAINERD_IMPORTS: Final = "/etc/containerd/conf.d/*.toml"
+_IMPORTS_LINE: Final = re.compile(r"imports\s*=\s*\[(?P<items>[^\]]*)\]\s*(#.*)?")
+
+
+def containerd_config(current: str | None) -> str:
+    """config.toml with a top-level ``imports`` that reads the drop-in (other settings kept as they are).
+
+    Debian's and most distributions' config.toml have none, so containerd never reads conf.d:
+    the line goes after ``version = ...`` (top-level keys must come before the first table); an
+    existing one-line ``imports = [...]`` gets the glob appended.
+    """
+    if not current or not current.strip():
+        return f'version = 2\nimports = ["{CONTAINERD_IMPORTS}"]\n'
+    try:
+        imports = tomllib.loads(current).get("imports", [])
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{CONTAINERD_CONFIG} is not valid TOML ({err}); fix it before installing") from err
+    if not isinstance(imports, list):
+        raise ConfigError(f"{CONTAINERD_CONFIG}: imports must be a list of paths")
+    if CONTAINERD_IMPORTS in imports or CONTAINERD_DROPIN in imports:
+        return current
+    lines = current.splitlines(keepends=True)
+    top = next((n for n, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
+    at = next((n for n in range(top) if lines[n].lstrip().startswith("imports")), None)
+    if at is not None:
+        match = _IMPORTS_LINE.fullmatch(lines[at].strip())
+        if match is None:
+            raise ConfigError(f'{CONTAINERD_CONFIG}: its imports spans several lines; add "{CONTAINERD_IMPORTS}" '
+                              "to it by hand, then run this again")
+        items = match["items"].strip().rstrip(",")
+        lines[at] = f'imports = [{items + ", " if items else ""}"{CONTAINERD_IMPORTS}"]\n'
+    else:
+        version = next((n for n in range(top) if lines[n].lstrip().startswith("version")), None)
+        at = version + 1 if version is not None else 0
+        lines.insert(at, f'imports = ["{CONTAINERD_IMPORTS}"]\n')
+    if lines[at - 1:at] and not lines[at - 1].endswith("\n"):
+        lines[at - 1] += "\n"
+    updated = "".join(lines)
+    assert CONTAINERD_IMPORTS in tomllib.loads(updated)["imports"]  # a top-level key, as containerd reads it
+    return updated
+
+
 def containerd_dropin(runtime: str) -> str:
     """A containerd 1.6+ config drop-in registering a ``gpuhook`` CRI runtime handler (runc wrapper)."""
     return (
         '# Written by `gpuhook install --runtime containerd`: a CRI runtime handler "gpuhook" whose\n'
         "# shim runs gpuhook-runtime (a runc wrapper that puts the requested GPUs into the spec).\n"
-        '# Import it from /etc/containerd/config.toml: imports = ["/etc/containerd/conf.d/*.toml"]\n'
+        '# /etc/containerd/config.toml imports it: imports = ["/etc/containerd/conf.d/*.toml"]\n'
         "version = 2\n\n"
         '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.gpuhook]\n'
         '  runtime_type = "io.containerd.runc.v2"\n'
@@ -123,7 +169,9 @@ def changes(engine: str, *, bin_dir: str, current: dict[str, str | None], python
         )
     if engine == "containerd":
         return (
-            Change(path="/etc/containerd/conf.d/gpuhook.toml", content=containerd_dropin(runtime),
+            Change(path=CONTAINERD_DROPIN, content=containerd_dropin(runtime),
+                   restart="containerd (systemctl restart containerd)"),
+            Change(path=CONTAINERD_CONFIG, content=containerd_config(current.get(CONTAINERD_CONFIG)),
                    restart="containerd (systemctl restart containerd)"),
             # `ctr run --gpus` runs nvidia-container-cli from ctr's PATH.
             Change(path="/usr/local/bin/nvidia-container-cli", link_to=f"{bin_dir}/nvidia-container-cli"),

@@ -28,7 +28,7 @@ def _read(path: Path) -> str | None:
 
 def run_install(engine: str, *, dry_run: bool, root: Path, bin_dir: Path, python: str = "") -> int:
     """Print (and unless --dry-run, make) the changes; say what to restart."""
-    paths = ("/etc/docker/daemon.json",)
+    paths = ("/etc/docker/daemon.json", "/etc/containerd/config.toml")
     current = {p: _read(_target(root, p)) for p in paths}
     relays = (bin_dir / "gpuhook-relay", bin_dir.parent / "libexec" / "nvidia-container-runtime-hook")
     relay = all(path.is_file() for path in relays)  # the packages' layout (integration/relay.py makes it too)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import yaml
 from gpuhook.cli import runtime
 from gpuhook.cli.install import run_install
 from gpuhook.errors import ConfigError
-from gpuhook.install import HOOKS_D_FILES, changes, docker_daemon_json
+from gpuhook.install import HOOKS_D_FILES, changes, containerd_config, docker_daemon_json
 from integration.fakehost import FakeHost
 
 BIN = "/usr/lib/gpuhook/bin"
@@ -120,7 +121,7 @@ def test_kubernetes_files_parse_and_agree() -> None:
     runtime_class = yaml.safe_load((PACKAGING / "kubernetes/runtimeclass.yaml").read_text())
     dropin = (PACKAGING / "kubernetes/containerd-gpuhook.toml").read_text()
     assert runtime_class["handler"] == "gpuhook" and "runtimes.gpuhook]" in dropin
-    (change, _) = changes("containerd", bin_dir=BIN, current={})
+    (change, _, _) = changes("containerd", bin_dir=BIN, current={})
     assert 'BinaryName = "/usr/lib/gpuhook/bin/gpuhook-runtime"' in dropin and change.content and \
         'BinaryName = "/usr/lib/gpuhook/bin/gpuhook-runtime"' in change.content
     daemonset = yaml.safe_load((PACKAGING / "kubernetes/daemonset.yaml").read_text())
@@ -189,3 +190,58 @@ def test_a_hooks_d_file_formatted_another_way_is_left_alone(engine: str, tmp_pat
     assert "nothing to change" in capsys.readouterr().out
     assert {p: p.read_text() for p in written} == before
     assert not list(tmp_path.rglob("*.gpuhook-backup"))
+
+
+DEBIAN_CONTAINERD_TOML = """version = 2
+
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    [plugins."io.containerd.grpc.v1.cri".cni]
+      bin_dir = "/usr/lib/cni"
+      conf_dir = "/etc/cni/net.d"
+  [plugins."io.containerd.internal.v1.opt"]
+    path = "/var/lib/containerd/opt"
+"""
+
+
+@pytest.mark.parametrize(("current", "imports"), [
+    pytest.param(DEBIAN_CONTAINERD_TOML, ["/etc/containerd/conf.d/*.toml"], id="debian-12-package"),
+    pytest.param(None, ["/etc/containerd/conf.d/*.toml"], id="no-config"),
+    pytest.param('# mine\nimports = ["/etc/other.toml"]  # kept\nversion = 2\n[plugins]\n',
+                 ["/etc/other.toml", "/etc/containerd/conf.d/*.toml"], id="imports-of-its-own"),
+    pytest.param("imports = []\n", ["/etc/containerd/conf.d/*.toml"], id="empty-imports"),
+    pytest.param("# only a comment, no newline at the end", ["/etc/containerd/conf.d/*.toml"], id="no-version"),
+])
+def test_containerd_config_imports_the_drop_in(current: str | None, imports: list[str]) -> None:
+    """containerd reads conf.d only through a top-level imports: Debian 12's config.toml has none, so
+    install adds it (after `version`, before any table), keeps everything else, and changes nothing twice."""
+    updated = containerd_config(current)
+    parsed = tomllib.loads(updated)
+    assert parsed["imports"] == imports
+    if current:
+        before = tomllib.loads(current)
+        assert {k: v for k, v in parsed.items() if k != "imports"} == {k: v for k, v in before.items()
+                                                                         if k != "imports"}
+    assert containerd_config(updated) == updated
+
+
+def test_containerd_config_that_cannot_be_edited_safely_is_refused() -> None:
+    """Invalid TOML and a multi-line imports are refused, naming the file and what to do."""
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        containerd_config("version = = 2\n")
+    with pytest.raises(ConfigError, match=r"spans several lines.*by hand"):
+        containerd_config('imports = [\n  "/etc/a.toml",\n]\n')
+
+
+def test_containerd_install_makes_the_drop_in_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On a Debian 12 host: the drop-in is written and config.toml imports it (a backup kept); twice: nothing."""
+    config = tmp_path / "etc/containerd/config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text(DEBIAN_CONTAINERD_TOML)
+    run_install("containerd", dry_run=False, root=tmp_path, bin_dir=Path(BIN))
+    assert "/etc/containerd/conf.d/*.toml" in tomllib.loads(config.read_text())["imports"]
+    assert (tmp_path / "etc/containerd/config.toml.gpuhook-backup").read_text() == DEBIAN_CONTAINERD_TOML
+    assert (tmp_path / "etc/containerd/conf.d/gpuhook.toml").exists()
+    capsys.readouterr()
+    run_install("containerd", dry_run=False, root=tmp_path, bin_dir=Path(BIN))
+    assert "nothing to change" in capsys.readouterr().out
