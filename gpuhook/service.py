@@ -351,15 +351,22 @@ def render_plan(config: Config, spec: BundleSpec) -> tuple[GpuRequest, Plan] | N
     return placed, make_plan(placed, found.inventory, found.live, target)
 
 
-def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec) -> Mapping[str, Any]:
-    """*raw* with the requested GPUs' devices and rules added (the same object when no GPU is asked for)."""
+def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec, *,
+                     hook_follows: bool = False) -> Mapping[str, Any]:
+    """*raw* with the requested GPUs' devices and rules added (the same object when no GPU is asked for).
+
+    *hook_follows*: gpuhook's prestart hook is registered too (``gpuhook-runtime``), and takes the
+    lease; a ``count``/``any`` request is then left to it whole (which GPUs is decided at the start).
+    Without one (``spec-edit``, ``precreate``) nothing would take a lease: what needs one is refused.
+    """
     from gpuhook.planning.specedit import add_devices
 
     request = request_for(spec, config)
-    if request is None:
+    if request is None or (hook_follows and request.count is not None):
         return raw
     found = inventory_for(config, live_needs(request))
-    _refuse_unleased(config, request, found.inventory)
+    if not hook_follows:
+        _refuse_unleased(config, request, found.inventory)
     return add_devices(raw, plan_devices(request, found.inventory, found.live).devices)
 
 

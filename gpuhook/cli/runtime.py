@@ -107,6 +107,10 @@ def _edit(bundle: Path, config: str | None) -> None:
     if not asks_for_gpu(raw):
         return
     settings = service.load_settings(config, False, os.environ)
-    edited = service.render_spec_edit(settings, raw, spec_from_object(raw, bundle))
-    if edited is not raw:
-        write_spec(path, add_hooks(dict(edited), config))
+    spec = spec_from_object(raw, bundle)
+    if service.request_for(spec, settings) is None:  # void, or a marker that asks for nothing
+        return
+    edited = service.render_spec_edit(settings, raw, spec, hook_follows=True)
+    # The hooks go in whenever a GPU is asked for: the prestart one takes the lease (and places a
+    # count=N request, which the spec edit leaves to it), the poststop one gives it back.
+    write_spec(path, add_hooks(dict(edited), config))

@@ -245,3 +245,30 @@ def test_containerd_install_makes_the_drop_in_read(tmp_path: Path, capsys: pytes
     capsys.readouterr()
     run_install("containerd", dry_run=False, root=tmp_path, bin_dir=Path(BIN))
     assert "nothing to change" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("request_", "devices"), [
+    pytest.param("0", {"/dev/nvidia0"}, id="exclusive-gpu-by-index"),
+    pytest.param("any", set(), id="any-left-to-the-hook"),
+])
+def test_runtime_wrapper_leaves_the_lease_to_its_hook(request_: str, devices: set[str], tmp_path: Path,
+                                                      host: FakeHost) -> None:
+    """Under a sharing policy the wrapper is not refused as a bare spec edit is: the prestart hook it
+    registers takes the lease. An exclusive GPU asked by index gets its device in the spec; `any` is
+    left whole to the hook (which GPU is decided at the start), with both hooks registered."""
+    config = tmp_path / "gpuhook.yaml"
+    state = tmp_path / "state"
+    config.write_text(host.config_path.read_text().replace(
+        next(line for line in host.config_path.read_text().splitlines() if line.startswith("state_dir:")),
+        f"state_dir: {state}") + "gpus:\n  - device: all\n    sharing: exclusive\n")
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps({
+        "ociVersion": "1.0.2", "root": {"path": "rootfs"},
+        "process": {"args": ["true"], "cwd": "/", "env": [f"NVIDIA_VISIBLE_DEVICES={request_}"]}}))
+    runtime._edit(bundle, str(config))
+    edited = json.loads((bundle / "config.json").read_text())
+    assert [[h["args"][-1] for h in edited["hooks"][stage]] for stage in ("prestart", "poststop")] == \
+        [["prestart"], ["poststop"]]
+    assert {d["path"] for d in edited.get("linux", {}).get("devices", []) if "nvidia" in d["path"]
+            and d["path"][len("/dev/nvidia"):].isdigit()} == devices
