@@ -43,6 +43,40 @@ def bundle_of(argv: Sequence[str]) -> Path | None:
     return Path.cwd()
 
 
+def log_target(argv: Sequence[str]) -> tuple[str | None, str]:
+    """runc's global ``--log FILE`` and ``--log-format text|json`` (before the command word)."""
+    path, fmt = None, "text"
+    words = list(argv)
+    for i, word in enumerate(words):
+        if word in ("create", "run"):
+            break
+        name, eq, value = word.partition("=")
+        if name in ("--log", "--log-format") and not eq and i + 1 < len(words):
+            value = words[i + 1]
+        if name == "--log":
+            path = value
+        elif name == "--log-format":
+            fmt = value
+    return path, fmt
+
+
+def write_runtime_log(path: str, fmt: str, message: str) -> None:
+    """One error line where the engine reads a runtime's failure (containerd's shim: ``log.json``, as
+    logrus writes it for runc), so docker shows gpuhook's reason instead of "unable to retrieve OCI
+    runtime error"."""
+    import datetime
+    import json
+
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    line = (json.dumps({"level": "error", "msg": message, "time": now}) if fmt == "json"
+            else f'time="{now}" level=error msg={json.dumps(message)}')
+    try:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(line + "\n")
+    except OSError as err:  # the message still goes to stderr
+        print(f"gpuhook-runtime: cannot write the runtime log {path}: {err.strerror or err}", file=sys.stderr)
+
+
 #: containerd starts every shim, and so the runtime, with its own library directory added to
 #: LD_LIBRARY_PATH (observed: "/opt/containerd/lib:"): the engine's setting, not the container's.
 CONTAINERD_LIBRARY_PATH: Final = frozenset({"/opt/containerd/lib", ""})
@@ -88,7 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_environment(engine_environment(os.environ))  # it runs as root for the container being created
             _edit(bundle.absolute(), os.environ.get("GPUHOOK_CONFIG"))
         except GpuHookError as err:
-            print(report_failure(err), file=sys.stderr)
+            message = report_failure(err)
+            print(message, file=sys.stderr)
+            log, fmt = log_target(args)
+            if log is not None:
+                write_runtime_log(log, fmt, message)
             return 1
     os.execv(runtime, [runtime, *args])
 

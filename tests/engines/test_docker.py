@@ -103,6 +103,18 @@ def test_runtime_wrapper_injects_the_requested_gpu(docker: Docker) -> None:
     assert docker.calls()[before:] == []  # the runtime adds its own hook; dockerd's --gpus hook is not used
 
 
+def test_runtime_wrapper_refusal_shows_gpuhooks_message(docker: Docker) -> None:
+    """--runtime gpuhook with -e NVIDIA_VISIBLE_DEVICES=9: containerd's shim reads the runtime's reason from
+    its --log (log.json, runc's contract), so docker's error is gpuhook's line, not "unable to retrieve OCI
+    runtime error"."""
+    result = docker_run(docker.daemon, [*RUN, "--runtime", RUNTIME, "-e", "NVIDIA_VISIBLE_DEVICES=9", docker.image,
+                                        "/bin/sh", "-c", "echo started"])
+    assert result.returncode != 0
+    assert "started" not in result.stdout
+    assert "no GPU with index 9" in result.stderr, result.stderr
+    assert "unable to retrieve OCI runtime error" not in result.stderr, result.stderr
+
+
 def test_runtime_wrapper_leaves_plain_containers_alone(docker: Docker) -> None:
     """--runtime gpuhook without NVIDIA variables: runc runs the container unchanged."""
     result = docker_run(docker.daemon, [*RUN, "--runtime", RUNTIME, docker.image, "/bin/sh", "-c", COUNT_GPUS])

@@ -272,3 +272,25 @@ def test_runtime_wrapper_leaves_the_lease_to_its_hook(request_: str, devices: se
         [["prestart"], ["poststop"]]
     assert {d["path"] for d in edited.get("linux", {}).get("devices", []) if "nvidia" in d["path"]
             and d["path"][len("/dev/nvidia"):].isdigit()} == devices
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    pytest.param(["--root", "/r", "--log", "/b/log.json", "--log-format", "json", "create", "--bundle", "/b", "id"],
+                 ("/b/log.json", "json"), id="containerd-shim"),
+    pytest.param(["--log=/l", "create", "id"], ("/l", "text"), id="equals-and-default-format"),
+    pytest.param(["create", "--log", "/not-global", "id"], (None, "text"), id="after-the-command"),
+])
+def test_runtime_log_flags(argv: list[str], expected: tuple[str | None, str]) -> None:
+    """runc's global --log/--log-format, as the wrapper reads them to report its refusal there."""
+    assert runtime.log_target(argv) == expected
+
+
+def test_runtime_log_line_is_what_the_shim_parses(tmp_path: Path) -> None:
+    """The JSON line has logrus's level/msg/time, appended; the text form quotes the message."""
+    log = tmp_path / "log.json"
+    runtime.write_runtime_log(str(log), "json", 'gpuhook: no GPU with index 9 "x"')
+    runtime.write_runtime_log(str(log), "text", "gpuhook: second")
+    first, second = log.read_text().splitlines()
+    entry = json.loads(first)
+    assert entry["level"] == "error" and entry["msg"] == 'gpuhook: no GPU with index 9 "x"' and entry["time"]
+    assert second.endswith('level=error msg="gpuhook: second"')
