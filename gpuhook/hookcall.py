@@ -90,20 +90,28 @@ class HookCall:
         self.asks_gpu = False
 
 
-def check_environment(env: Mapping[str, str]) -> None:
+#: Where a hook's environment comes from, so where to fix it: runc gives a hook exactly the
+#: "env" of its registration; docker's ``--gpus`` hook is run by dockerd with its own environment.
+HOOK_ENV_FIX = ("Register the hook with an explicit env such as [\"PATH=/usr/sbin:/usr/bin:/sbin:/bin\"]; "
+                "for docker --gpus the hook inherits dockerd's environment: remove them from dockerd's unit "
+                "(systemctl edit docker.service, /etc/default/docker) and restart it")
+
+
+def check_environment(env: Mapping[str, str], *, fix: str = HOOK_ENV_FIX) -> None:
     """Refuse to run with loader, libc or interpreter variables in a root process's own environment.
 
     ``LD_*``, ``PYTHON*`` (but ``_ALLOWED``) and ``UNSAFE_NAMES`` act before Python's first line
     (NVIDIAScape, CVE-2025-23266, was ``LD_PRELOAD`` reaching a root hook; ``LOCPATH`` with
     ``GCONV_PATH`` loads a library into ``python -I``), so they cannot be undone here; finding one
-    means the registration is unsafe. Every front-end that acts as root for a container calls this first.
+    means the registration is unsafe. Every front-end that acts as root for a container calls this
+    first, with *fix*: which process's environment to clean, for that front-end.
     """
     found = sorted(k for k in env
                    if (k.startswith(("LD_", "PYTHON")) and k not in _ALLOWED) or k in UNSAFE_NAMES)
     if found:
         raise UnsafeEnvironmentError(
             f"the hook's environment sets {', '.join(found)}; they can inject code into a root process "
-            "(CVE-2025-23266). Register the hook with an explicit env such as [\"PATH=/usr/sbin:/usr/bin:/sbin:/bin\"]"
+            f"(CVE-2025-23266). {fix}"
         )
 
 

@@ -132,7 +132,9 @@ static void check_environment(void)
     }
     if (prev) {
         fputs("; they can inject code into a root process (CVE-2025-23266). Register the hook with an "
-              "explicit env such as [\"PATH=/usr/sbin:/usr/bin:/sbin:/bin\"]\n", stderr);
+              "explicit env such as [\"PATH=/usr/sbin:/usr/bin:/sbin:/bin\"]; for docker --gpus the hook "
+              "inherits dockerd's environment: remove them from dockerd's unit (systemctl edit docker.service, "
+              "/etc/default/docker) and restart it\n", stderr);
         exit(1);
     }
 }

@@ -108,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             hook = HookArgs(args.command, args.config, args.debug, args.daemon_socket)
             return run_hook(hook, sys.stdin.fileno(), os.environ)
         if args.command in ACTS_FOR_CONTAINERS:
-            check_environment(os.environ)
+            check_environment(os.environ, fix="Run it from a shell or unit without them (env -u NAME ..., "
+                                              "or the unit's Environment=/UnsetEnvironment=)")
         return _run_command(args)
     except UsageError as err:
         print(report_failure(err), file=sys.stderr)

@@ -24,6 +24,9 @@ from gpuhook.hookcall import check_environment
 #: Trusted locations only: the wrapper runs as root and must not pick a runtime from a daemon's PATH.
 RUNTIME_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOOK_ENV: Final = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
+ENGINE_ENV_FIX: Final = ("gpuhook-runtime inherits its engine's environment (dockerd's, or containerd's for its "
+                         "shims): remove them from that service's unit (systemctl edit docker.service or "
+                         "containerd.service) and restart it")
 #: The stages the wrapper registers gpuhook's hook for: the start that gives the GPUs, and the
 #: deletion that releases their lease.
 HOOK_STAGES: Final = ("prestart", "poststop")
@@ -119,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bundle = bundle_of(args)
     if bundle is not None:
         try:
-            check_environment(engine_environment(os.environ))  # it runs as root for the container being created
+            # it runs as root for the container being created, with the engine's environment
+            check_environment(engine_environment(os.environ), fix=ENGINE_ENV_FIX)
             _edit(bundle.absolute(), os.environ.get("GPUHOOK_CONFIG"))
         except GpuHookError as err:
             message = report_failure(err)

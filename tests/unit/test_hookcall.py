@@ -290,3 +290,16 @@ def test_an_unreadable_ledger_goes_to_the_full_path(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
     (state_dir / "leases.json").mkdir(parents=True)
     assert lease_may_exist(_config(tmp_path, f"state_dir: {state_dir}\n"), {}, "c1") is True
+
+
+def test_the_tripwire_says_whose_environment_to_fix() -> None:
+    """A hook's refusal names both fixes (its registration's env, dockerd's unit for docker --gpus);
+    gpuhook-runtime's names its engine's service."""
+    from gpuhook.cli.runtime import ENGINE_ENV_FIX
+    from gpuhook.errors import UnsafeEnvironmentError
+    from gpuhook.hookcall import check_environment
+
+    with pytest.raises(UnsafeEnvironmentError, match=r"explicit env.*dockerd's unit"):
+        check_environment({"LD_PRELOAD": "/x.so"})
+    with pytest.raises(UnsafeEnvironmentError, match=r"LD_AUDIT.*gpuhook-runtime inherits its engine's environment"):
+        check_environment({"LD_AUDIT": "/x.so"}, fix=ENGINE_ENV_FIX)
