@@ -309,14 +309,27 @@ def _kill_tasks(cgroup: Path) -> None:
 # --- host observation -------------------------------------------------------------------------
 
 
-def host_mounts() -> frozenset[str]:
-    """The host mount table as ``"<mount point> <fstype> <source> <root>"`` lines (ids ignored)."""
+def host_mounts(*owned: Path) -> frozenset[str]:
+    """The host mount table as ``"<mount point> <fstype> <source> <root>"`` lines (ids ignored).
+
+    With *owned* paths (the simulated host's root, the test's own directories): only the mounts
+    gpuhook could have made, so that what other processes on a busy host mount meanwhile (an
+    engine's overlays and netns files, another test run) does not count. That is a tmpfs with no
+    source (gpuhook's fsmount'd ones show ``none``), and any mount whose point or root lies under
+    an owned path: every bind mount gpuhook makes has a driver file (under the host's root) or a
+    container path (under the test's directories) as its root, wherever it was mounted.
+    """
     entries: list[str] = []
+    prefixes = tuple(os.fspath(p).rstrip("/") + "/" for p in owned)
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             pre, _, post = line.partition(" - ")
             fields, tail = pre.split(), post.split()
-            entries.append(f"{fields[4]} {tail[0]} {tail[1]} {fields[3]}")
+            point, fstype, source, root = fields[4], tail[0], tail[1], fields[3]
+            if owned and not ((fstype == "tmpfs" and source == "none")
+                              or any(f"{path}/".startswith(prefixes) for path in (point, root))):
+                continue
+            entries.append(f"{point} {fstype} {source} {root}")
     # Number repeats so that a second identical mount stacked on the first still shows up.
     seen: dict[str, int] = {}
     out: set[str] = set()

@@ -371,7 +371,7 @@ class Rig:
 
     def host_state(self, watch: Iterable[Path] = ()) -> tuple[dict[str, Row], frozenset[str], list[dict[str, Row]]]:
         """(o2) and (o3) observations: the tmp tree outside every rootfs, host mounts, watched trees."""
-        return (snapshot(self.tmp, exclude=self.rootfses), host_mounts(),
+        return (snapshot(self.tmp, exclude=self.rootfses), host_mounts(self.tmp, self.host.root),
                 [snapshot(p) if p.is_dir() else {".": _row(os.fspath(p), os.lstat(p))} for p in watch])
 
     def assert_host_unchanged(self, before: tuple[dict[str, Row], frozenset[str], list[dict[str, Row]]],

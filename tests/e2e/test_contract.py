@@ -21,12 +21,13 @@ DEVICES = "ls /dev | grep -c '^nvidia[0-9]'; dltest libcuda.so.1 libnvidia-encod
 def test_cuda_requirement_refuses_with_host_versions(make_container: MakeContainer, host: FakeHost) -> None:
     """cuda>=99.0 is refused; the message holds the host's driver and CUDA versions and the fix."""
     container = make_container("echo started", {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_REQUIRE_CUDA": "cuda>=99.0"})
-    files, mounts = tree_snapshot(container.rootfs), host_mounts()
+    owned = (container.bundle.parent, host.root)
+    files, mounts = tree_snapshot(container.rootfs), host_mounts(*owned)
     result = container.run()
     assert result.returncode != 0 and "started" not in result.stdout
     assert f"driver {host.driver_version} supports CUDA {host.cuda_version}" in result.stderr
     assert "NVIDIA_REQUIRE_CUDA='cuda>=99.0'" in result.stderr and "NVIDIA_DISABLE_REQUIRE=true" in result.stderr
-    assert tree_snapshot(container.rootfs) == files and host_mounts() == mounts
+    assert tree_snapshot(container.rootfs) == files and host_mounts(*owned) == mounts
 
 
 def test_disable_require_lets_it_start(make_container: MakeContainer) -> None:

@@ -87,28 +87,30 @@ def test_bad_requests_are_refused_cleanly(make_container: MakeContainer, host: F
                                           expected: list[str]) -> None:
     """The container is refused with a message naming the value; no mounts, files or devices are left."""
     container = make_container("echo started", env)
-    files_before, mounts_before = tree_snapshot(container.rootfs), host_mounts()
+    owned = (container.bundle.parent, host.root)
+    files_before, mounts_before = tree_snapshot(container.rootfs), host_mounts(*owned)
     result = container.run()
     assert result.returncode != 0 and "started" not in result.stdout
     for text in expected:
         assert text in result.stderr
     assert "Traceback" not in result.stderr
     assert tree_snapshot(container.rootfs) == files_before
-    assert host_mounts() == mounts_before
+    assert host_mounts(*owned) == mounts_before
     if "9" in env.get("NVIDIA_VISIBLE_DEVICES", ""):
         for gpu in host.gpus:
             assert gpu.uuid in result.stderr  # the message lists what exists
 
 
-def test_failed_apply_rolls_back(make_container: MakeContainer) -> None:
+def test_failed_apply_rolls_back(make_container: MakeContainer, host: FakeHost) -> None:
     """An image whose /usr/bin/nvidia-smi is a directory: refused, and every node and file made is undone."""
     container = make_container("echo started", TWO_GPUS, prepare=lambda r: (r / "usr/bin/nvidia-smi").mkdir())
-    files_before, mounts_before = tree_snapshot(container.rootfs), host_mounts()
+    owned = (container.bundle.parent, host.root)
+    files_before, mounts_before = tree_snapshot(container.rootfs), host_mounts(*owned)
     result = container.run()
     assert result.returncode != 0
     assert "/usr/bin/nvidia-smi: exists in the image and is not a regular file" in result.stderr
     assert tree_snapshot(container.rootfs) == files_before
-    assert host_mounts() == mounts_before
+    assert host_mounts(*owned) == mounts_before
 
 
 def test_symlinked_mount_target_stays_inside_the_rootfs(make_container: MakeContainer, tmp_path: Path) -> None:

@@ -62,14 +62,14 @@ def ctr_env(tmp_path_factory: pytest.TempPathFactory, host: FakeHost) -> dict[st
 
 def test_ctr_gpus_gives_the_container_that_gpu(ctrd: Containerd, ctr_env: dict[str, str], host: FakeHost) -> None:
     """``ctr run --gpus 1``: /dev/nvidia1 injected and allowed, /dev/nvidia0 not there, libcuda loads."""
-    before = host_mounts()
+    before = host_mounts(host.root)
     container_id = unique_id("ctr")
     result = ctrd.run(IMAGE, container_id, "/bin/sh", "-c", SCRIPT, options=("--gpus", "1"), env=ctr_env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["/dev/nvidia0 ENOENT", "/dev/nvidia1 ENXIO", "dlopen libcuda.so.1: OK"]
     log = (host.root / "gpuhook.log").read_text()
     assert f'"container_id": "{container_id}"' in log and '"front_end": "nvidia-container-cli"' in log
-    assert host_mounts() == before
+    assert host_mounts(host.root) == before
     assert leftover_cgroups(container_id) == []
 
 

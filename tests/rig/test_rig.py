@@ -311,6 +311,30 @@ def test_host_mounts_sees_a_new_mount(tmp_path: Path) -> None:
     assert engines.host_mounts() == before
 
 
+def test_owned_host_mounts_keep_what_gpuhook_could_make(tmp_path: Path) -> None:
+    """host_mounts(*owned) drops other processes' mounts (a named tmpfs, a bind of a foreign directory)
+    but keeps a source-less tmpfs anywhere and any mount whose root or point lies under an owned path."""
+    owned, foreign = tmp_path / "owned", tmp_path / "foreign"
+    points = {name: tmp_path / name for name in ("named", "anon", "bind-foreign", "bind-owned")}
+    for path in (owned, foreign, *points.values()):
+        path.mkdir()
+    (owned / "driver-file").write_text("x")
+    mounts = [["-t", "tmpfs", "engine-shm", str(points["named"])], ["-t", "tmpfs", "none", str(points["anon"])],
+              ["--bind", str(foreign), str(points["bind-foreign"])], ["--bind", str(owned), str(points["bind-owned"])]]
+    before = engines.host_mounts(owned)
+    done = []
+    try:
+        for argv in mounts:
+            subprocess.run(["mount", *argv], check=True)
+            done.append(argv[-1])
+        added = engines.host_mounts(owned) - before
+    finally:
+        for point in reversed(done):
+            subprocess.run(["umount", point], check=True)
+    assert {line.split()[0] for line in added} == {str(points["anon"]), str(points["bind-owned"])}
+    assert engines.host_mounts(owned) == before
+
+
 def test_require_tool() -> None:
     """A present tool resolves to an absolute path; a missing one fails loudly with an install hint."""
     assert engines.require_tool("runc").startswith("/")
