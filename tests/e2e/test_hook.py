@@ -178,3 +178,30 @@ def test_packaged_launcher_runs_the_hook(make_container: MakeContainer, host: Fa
     result = make_container(PROBE, TWO_GPUS, hook=hook).run()
     assert result.returncode == 0, result.stderr
     assert "/dev/nvidia1 ENXIO" in result.stdout and "dlopen libcuda.so.1: OK" in result.stdout
+
+
+def test_plan_shows_which_gpus_count_would_take(host: FakeHost, tmp_path: Path) -> None:
+    """`gpuhook plan` of a `count=2` container on exclusive GPUs, GPU 0 held by a running process: the GPUs
+    a start would pick now (1 and 2), and nothing is leased by the dry run."""
+    from gpuhook.provision import ledger_store
+    from gpuhook.sharing.ledger import Holder, Lease, Ledger
+    from gpuhook.sys.procstat import start_ticks
+
+    state = tmp_path / "state"
+    config = tmp_path / "gpuhook.yaml"
+    text = host.config_path.read_text()
+    state_line = next(line for line in text.splitlines() if line.startswith("state_dir:"))
+    policy = "gpus:\n  - device: all\n    sharing: exclusive\n"
+    config.write_text(text.replace(state_line, f"state_dir: {state}") + policy)
+    me = Holder(pid=os.getpid(), start=start_ticks(os.getpid()) or 0)
+    held = Lease(container_id="holder", devices=(host.gpus[0].uuid,), holder=me, since="2026-12-01T00:00:00Z")
+    ledger_store.update(state, lambda ledger: (ledger.reserve(held), None))
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(
+        '{"ociVersion":"1.0.2","process":{"env":["NVIDIA_VISIBLE_DEVICES=count=2"]},"root":{"path":"rootfs"}}')
+    plan = subprocess.run([sys.executable, "-I", "-m", "gpuhook", "--config", str(config), "plan", "--bundle",
+                           str(bundle)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, check=False)
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["plan"]["gpus"] == [host.gpus[1].uuid, host.gpus[2].uuid]
+    assert ledger_store.read(state) == Ledger((held,))
