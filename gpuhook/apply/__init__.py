@@ -381,7 +381,8 @@ def _compat_first(fs: RootFs, plan: Plan, skipped: list[str]) -> tuple[str, ...]
             use, note = _cuda_compat(fs, plan.cuda_compat)
         if use:
             return (plan.cuda_compat.directory, *dirs)
-        skipped.append(note)
+        if note:
+            skipped.append(note)
     with _step("cuda compat", COMPAT_CONF):
         fs.remove_if(COMPAT_CONF, _COMPAT_CONF_MAX, lambda text: _COMPAT_CONF_OURS.fullmatch(text) is not None)
     return dirs
@@ -419,10 +420,12 @@ _COMPAT_CONF_MAX = 128
 
 
 def _cuda_compat(fs: RootFs, compat: CudaCompat) -> tuple[bool, str]:
-    """Put the image's compat directory first if it holds a libcuda newer than the host's; (used, note)."""
+    """Put the image's compat directory first if it holds a libcuda newer than the host's; (used, note).
+
+    Most images have no compat directory: that is no news, so no note (it was a warning on every start)."""
     fd = fs.try_open(compat.directory, os.O_RDONLY | os.O_DIRECTORY)
     if fd is None:
-        return False, f"{compat.directory}: not in the image"
+        return False, ""
     try:
         names = os.listdir(fd)  # names only: nothing in the image is read or loaded
     finally:

@@ -205,3 +205,14 @@ def test_plan_shows_which_gpus_count_would_take(host: FakeHost, tmp_path: Path) 
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["plan"]["gpus"] == [host.gpus[1].uuid, host.gpus[2].uuid]
     assert ledger_store.read(state) == Ledger((held,))
+
+
+def test_an_image_without_cuda_compat_gets_no_warning(make_container: MakeContainer, host: FakeHost) -> None:
+    """Most images have no /usr/local/cuda/compat: a GPU start says nothing about it (it is no problem)."""
+    log = host.root / "gpuhook.log"
+    offset = log.stat().st_size if log.exists() else 0
+    result = make_container("true", TWO_GPUS).run()
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in log.read_bytes()[offset:].splitlines()]
+    assert "applied" in {e["event"] for e in events}
+    assert [e for e in events if e["level"] == "warning" and "cuda/compat" in json.dumps(e)] == []
