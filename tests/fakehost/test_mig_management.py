@@ -124,7 +124,8 @@ def test_create_3g_is_seen_by_another_process(a100: FakeHost) -> None:
         out["gi"] = [info.id, info.profileId, info.placement.start, info.placement.size]
         cis = (pynvml.c_nvmlComputeInstance_t * 3)()
         count = ctypes.c_uint()
-        pynvml.nvmlGpuInstanceGetComputeInstances(gi, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE, cis, ctypes.byref(count))
+        three = pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE
+        pynvml.nvmlGpuInstanceGetComputeInstances(gi, three, cis, ctypes.byref(count))
         out["cis"] = count.value
         out["by_uuid"] = pynvml.nvmlDeviceGetGpuInstanceId(pynvml.nvmlDeviceGetHandleByUUID(out["migs"][0][0]))
     ''')
@@ -235,8 +236,9 @@ def test_invalid_arguments_and_not_found(a100: FakeHost) -> None:
     """Unknown profile ids, illegal placements, unknown GI ids, a GPU without MIG mode."""
     got = run(a100, '''
         h = gpu(0)
-        out["bad_index"] = code(pynvml.nvmlDeviceGetGpuInstanceProfileInfo, h, pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT)
-        out["absent_index"] = code(pynvml.nvmlDeviceGetGpuInstanceProfileInfo, h, pynvml.NVML_GPU_INSTANCE_PROFILE_6_SLICE)
+        info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo
+        out["bad_index"] = code(info, h, pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT)
+        out["absent_index"] = code(info, h, pynvml.NVML_GPU_INSTANCE_PROFILE_6_SLICE)
         out["bad_id"] = code(pynvml.nvmlDeviceCreateGpuInstance, h, 42)
         # nvml.h takes the placement by pointer; pynvml passes what it is given, so callers pass byref().
         def at(start, size):
@@ -246,12 +248,13 @@ def test_invalid_arguments_and_not_found(a100: FakeHost) -> None:
         gi = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, at(4, 4))
         out["placed"] = pynvml.nvmlGpuInstanceGetInfo(gi).id
         out["taken"] = code(pynvml.nvmlDeviceCreateGpuInstanceWithPlacement, h, 9, at(4, 4))
-        out["ci_bad"] = code(pynvml.nvmlGpuInstanceCreateComputeInstance, gi, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE)
+        four = pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE
+        out["ci_bad"] = code(pynvml.nvmlGpuInstanceCreateComputeInstance, gi, four)
         out["no_gi"] = code(pynvml.nvmlDeviceGetGpuInstanceById, h, 3)
         out["no_ci"] = code(pynvml.nvmlGpuInstanceGetComputeInstanceById, gi, 0)
         pynvml.nvmlGpuInstanceDestroy(gi)
         off = gpu(1)
-        out["off"] = [code(pynvml.nvmlDeviceGetGpuInstanceProfileInfo, off, 0), code(pynvml.nvmlDeviceCreateGpuInstance, off, 19),
+        out["off"] = [code(info, off, 0), code(pynvml.nvmlDeviceCreateGpuInstance, off, 19),
                       code(pynvml.nvmlDeviceGetGpuInstanceRemainingCapacity, off, 19)]
     ''')
     invalid, not_supported = pynvml.NVML_ERROR_INVALID_ARGUMENT, pynvml.NVML_ERROR_NOT_SUPPORTED
@@ -268,7 +271,8 @@ def test_gpu_without_mig_is_not_supported(tmp_path: Path) -> None:
     host = create_host(tmp_path / "host", gpus=1, model="Tesla T4")
     got = run(host, '''
         h = gpu(0)
-        out["codes"] = [code(pynvml.nvmlDeviceGetGpuInstanceProfileInfo, h, 0), code(pynvml.nvmlDeviceCreateGpuInstance, h, 19),
+        out["codes"] = [code(pynvml.nvmlDeviceGetGpuInstanceProfileInfo, h, 0),
+                        code(pynvml.nvmlDeviceCreateGpuInstance, h, 19),
                         code(pynvml.nvmlDeviceGetGpuInstanceById, h, 1)]
     ''')
     assert got["codes"] == [pynvml.NVML_ERROR_NOT_SUPPORTED] * 3
@@ -298,7 +302,8 @@ def test_profile_info_matches_the_tables(tmp_path: Path, model: str) -> None:
             pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(h, v2.id, placements, ctypes.byref(count))
             fields = ("id", "sliceCount", "instanceCount", "multiprocessorCount", "copyEngineCount", "decoderCount",
                       "encoderCount", "jpegCount", "ofaCount", "memorySizeMB")
-            assert [getattr(v1, f) for f in fields] == [getattr(v2, f) for f in fields] == [getattr(v3, f) for f in fields]
+            rows = [[getattr(v, f) for f in fields] for v in (v1, v2, v3)]
+            assert rows[0] == rows[1] == rows[2]
             out["profiles"][text(v2.name)] = {
                 "index": index, "row": [getattr(v2, f) for f in fields], "v3": text(v3.name),
                 "placements": [[placements[i].start, placements[i].size] for i in range(count.value)],
