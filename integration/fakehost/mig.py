@@ -48,41 +48,118 @@ _GI_IDS = {
     1: tuple(range(7, 15)),
 }
 
-_PROFILE_RE = re.compile(r"([0-9]+)g\.([0-9]+)gb(\+me)?")
 _CI_PROFILE_RE = re.compile(r"[0-9]+c\.[0-9]+g\.[0-9]+gb")
 
 
 @dataclass(frozen=True, slots=True)
 class MigProfile:
-    """One GPU instance profile, e.g. 3g.40gb: 3 compute and 4 memory slices."""
+    """One GPU instance profile as NVML describes it (nvmlGpuInstanceProfileInfo_v2_t) and where it may go.
 
-    name: str
-    slices: int
-    memory_slices: int
-    media: bool  # +me: the instance also gets the media engines (one per GPU)
+    The mock NVML reads these through the topology's giprofile records, so
+    this table is the one source of truth for both sides.
+    """
+
+    name: str  # as nvidia-smi mig -lgip shows it, without "MIG "
+    slices: int  # compute slices (sliceCount)
+    memory_slices: int  # of the GPU's 8; also the placement size
+    media: bool  # +me: the instance also gets the media engines (one set per GPU)
+    index: int = 0  # NVML_GPU_INSTANCE_PROFILE_* (what nvmlDeviceGetGpuInstanceProfileInfo takes)
+    profile_id: int = 0  # the driver's profile id (info.id; nvidia-smi's ID column; what create takes)
+    instances: int = 0  # instanceCount: how many fit on an empty GPU
+    memory_mib: int = 0  # memorySizeMB
+    sms: int = 0  # multiprocessorCount
+    copy_engines: int = 0
+    decoders: int = 0
+    encoders: int = 0
+    jpegs: int = 0
+    ofas: int = 0
+    starts: tuple[int, ...] = ()  # legal placement starts, in memory slices (nvidia-smi mig -lgipp)
 
 
-def _profiles(slice_gb: int, *names: str) -> tuple[MigProfile, ...]:
-    """Tabulates profiles for a GPU whose memory slices hold slice_gb GB each."""
+# NVML_GPU_INSTANCE_PROFILE_* (nvml.h / pynvml).
+GI_1_SLICE, GI_2_SLICE, GI_3_SLICE, GI_4_SLICE, GI_7_SLICE = 0, 1, 2, 3, 4
+GI_1_SLICE_REV1 = 7  # 1g with the media engines (+me)
+GI_1_SLICE_REV2 = 9  # 1g with twice the memory
+# The driver's profile ids, the same on every MIG GPU so far (nvidia-smi mig -lgip's ID column).
+_IDS = {GI_1_SLICE: 19, GI_1_SLICE_REV1: 20, GI_1_SLICE_REV2: 15, GI_2_SLICE: 14, GI_3_SLICE: 9, GI_4_SLICE: 5,
+        GI_7_SLICE: 0}
+# Legal placements ({start}:size in memory slices), from NVIDIA's MIG user guide ("A100 MIG profiles",
+# "H100 MIG profiles" and the nvidia-smi mig -lgipp listings there): 1g {0..6}:1, 1g with double
+# memory {0,2,4,6}:2, 2g {0,2,4}:2, 3g {0,4}:4, 4g {0}:4, 7g {0}:8.
+_STARTS = {GI_1_SLICE: tuple(range(7)), GI_1_SLICE_REV1: tuple(range(7)), GI_1_SLICE_REV2: (0, 2, 4, 6),
+           GI_2_SLICE: (0, 2, 4), GI_3_SLICE: (0, 4), GI_4_SLICE: (0,), GI_7_SLICE: (0,)}
+_SHAPE = {  # index: (compute slices, memory slices, instances)
+    GI_1_SLICE: (1, 1, 7), GI_1_SLICE_REV1: (1, 1, 1), GI_1_SLICE_REV2: (1, 2, 4), GI_2_SLICE: (2, 2, 3),
+    GI_3_SLICE: (3, 4, 2), GI_4_SLICE: (4, 4, 1), GI_7_SLICE: (7, 8, 1),
+}
+_ORDER = (GI_1_SLICE, GI_1_SLICE_REV1, GI_1_SLICE_REV2, GI_2_SLICE, GI_3_SLICE, GI_4_SLICE, GI_7_SLICE)
+_Row = tuple[str, int, int, int, int, int, int, int]
+
+
+def _table(*rows: _Row) -> tuple[MigProfile, ...]:
+    """One model's profiles from (name, memory MiB, SMs, CE, DEC, ENC, JPEG, OFA) rows in -lgip order."""
     table = []
-    for name in names:
-        match = _PROFILE_RE.fullmatch(name)
-        assert match is not None, name
-        slices, gb = int(match.group(1)), int(match.group(2))
-        table.append(MigProfile(name, slices, gb // slice_gb, match.group(3) is not None))
+    for index, (name, memory, sms, ce, dec, enc, jpeg, ofa) in zip(_ORDER, rows, strict=True):
+        slices, memory_slices, instances = _SHAPE[index]
+        table.append(MigProfile(name, slices, memory_slices, name.endswith("+me"), index, _IDS[index], instances,
+                                memory, sms, ce, dec, enc, jpeg, ofa, _STARTS[index]))
     return tuple(table)
 
 
-_PROFILES_80GB = _profiles(10, "1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
-_PROFILES_40GB = _profiles(5, "1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb")
+# Memory (nvidia-smi mig -lgip's GiB is memorySizeMB / 1024), SMs and engines per profile.
+# A100 40GB and 80GB: NVIDIA's MIG user guide, "A100 MIG profiles" and its -lgip listings.
+_PROFILES_A100_40GB = _table(
+    ("1g.5gb", 4864, 14, 1, 0, 0, 0, 0), ("1g.5gb+me", 4864, 14, 1, 1, 0, 1, 1),
+    ("1g.10gb", 9856, 14, 1, 1, 0, 0, 0), ("2g.10gb", 9856, 28, 2, 1, 0, 0, 0),
+    ("3g.20gb", 19968, 42, 3, 2, 0, 0, 0), ("4g.20gb", 19968, 56, 4, 2, 0, 0, 0),
+    ("7g.40gb", 40192, 98, 7, 5, 0, 1, 1),
+)
+_PROFILES_A100_80GB = _table(
+    ("1g.10gb", 9728, 14, 1, 0, 0, 0, 0), ("1g.10gb+me", 9728, 14, 1, 1, 0, 1, 1),
+    ("1g.20gb", 19968, 14, 1, 1, 0, 0, 0), ("2g.20gb", 19968, 28, 2, 1, 0, 0, 0),
+    ("3g.40gb", 40192, 42, 3, 2, 0, 0, 0), ("4g.40gb", 40192, 56, 4, 2, 0, 0, 0),
+    ("7g.80gb", 81152, 98, 7, 5, 0, 1, 1),
+)
+# H100 80GB HBM3: its published nvidia-smi mig -lgip listing.  The H100 PCIe (114 SMs) has the same
+# memory layout; its SM counts are not tabulated separately here.
+_PROFILES_H100_80GB = _table(
+    ("1g.10gb", 9984, 16, 1, 1, 0, 1, 0), ("1g.10gb+me", 9984, 16, 1, 1, 0, 1, 1),
+    ("1g.20gb", 20096, 26, 1, 1, 0, 1, 0), ("2g.20gb", 20096, 32, 2, 2, 0, 2, 0),
+    ("3g.40gb", 40448, 60, 3, 3, 0, 3, 0), ("4g.40gb", 40448, 64, 4, 4, 0, 4, 0),
+    ("7g.80gb", 81152, 132, 8, 7, 0, 7, 1),
+)
+# H200 141GB: names and shapes from NVIDIA's MIG user guide ("H200 MIG profiles"); the memory sizes are
+# the H100's scaled to the H200's 143771 MiB (not checked against a real H200's -lgip listing).
+_PROFILES_H200 = _table(
+    ("1g.18gb", 17536, 16, 1, 1, 0, 1, 0), ("1g.18gb+me", 17536, 16, 1, 1, 0, 1, 1),
+    ("1g.35gb", 35328, 26, 1, 1, 0, 1, 0), ("2g.35gb", 35328, 32, 2, 2, 0, 2, 0),
+    ("3g.71gb", 71296, 60, 3, 3, 0, 3, 0), ("4g.71gb", 71296, 64, 4, 4, 0, 4, 0),
+    ("7g.141gb", 143040, 132, 8, 7, 0, 7, 1),
+)
 
 # The GPU instance profiles nvidia-smi mig -lgip lists, per model.
 MIG_PROFILES: dict[str, tuple[MigProfile, ...]] = {
-    "NVIDIA H100 80GB HBM3": _PROFILES_80GB,
-    "NVIDIA H100 PCIe": _PROFILES_80GB,
-    "NVIDIA A100-SXM4-80GB": _PROFILES_80GB,
-    "NVIDIA A100-SXM4-40GB": _PROFILES_40GB,
+    "NVIDIA H100 80GB HBM3": _PROFILES_H100_80GB,
+    "NVIDIA H100 PCIe": _PROFILES_H100_80GB,
+    "NVIDIA A100-SXM4-80GB": _PROFILES_A100_80GB,
+    "NVIDIA A100-SXM4-40GB": _PROFILES_A100_40GB,
+    "NVIDIA H200": _PROFILES_H200,
 }
+
+
+def swizzle_gi_id(start: int, size: int) -> int:
+    """The GPU instance id the driver gives a placement: its node in the binary tree of the 8 memory slices.
+
+    The whole GPU is 0, halves 1-2, quarters 3-6, eighths 7-14 (the driver's
+    "swizzle id"); mocknvml.c's gi_id_of() computes the same.
+    """
+    return {8: 0, 4: 1, 2: 3, 1: 7}[size] + start // size
+
+
+def first_free_start(profile: MigProfile, taken: int) -> int | None:
+    """The lowest legal start of profile whose memory slices are free in the taken bitmask."""
+    mask = (1 << profile.memory_slices) - 1
+    return next((start for start in profile.starts if not taken & (mask << start)), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +177,11 @@ class FakeMigDevice:
     parent_minor: int  # the GPU's device minor, which names it in capability paths
     name: str  # as NVML reports it: "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
     memory_total: int  # bytes
+    # Where the GI sits (start memory slice; the size is its profile's) and its
+    # NVML_GPU_INSTANCE_PROFILE_* index, so the mock NVML can tell which
+    # placements are still free; -1 where no legal placement holds the layout.
+    placement_start: int = -1
+    profile_index: int = -1
 
     @property
     def gi_cap(self) -> str:
@@ -220,7 +302,9 @@ def make_mig_devices(
         gpu = gpus[index]
         # Only GPUs with MIG profiles can be put in MIG mode, even with no instances.
         _model_profiles(gpu)
-        for position, (profile, gi) in enumerate(_layout(gpu, layouts[index])):
+        placed = _layout(gpu, layouts[index])
+        starts = _placements([profile for profile, _gi in placed])
+        for position, (profile, gi) in enumerate(placed):
             ci = 0
             devices.append(
                 FakeMigDevice(
@@ -235,9 +319,33 @@ def make_mig_devices(
                     parent_minor=gpu.minor,
                     name=f"{gpu.name} MIG {profile.name}",
                     memory_total=_memory_mib(gpu, profile) * MIB,
+                    placement_start=-1 if starts is None else starts[position],
+                    profile_index=profile.index,
                 )
             )
     return tuple(devices)
+
+
+def _placements(profiles: Sequence[MigProfile]) -> list[int] | None:
+    """Legal, non-overlapping placement starts for the profiles (in order), or None if there are none.
+
+    An admin can create instances in any order and choose placements, so any
+    assignment that fits is the layout; the search is tiny (at most 7 GIs).
+    """
+
+    def place(at: int, taken: int) -> list[int] | None:
+        if at == len(profiles):
+            return []
+        profile = profiles[at]
+        mask = (1 << profile.memory_slices) - 1
+        for start in profile.starts:
+            if not taken & (mask << start):
+                rest = place(at + 1, taken | mask << start)
+                if rest is not None:
+                    return [start, *rest]
+        return None
+
+    return place(0, 0)
 
 
 def _memory_mib(gpu: FakeGpu, profile: MigProfile) -> int:

@@ -24,10 +24,34 @@
  *         <name, rest of the line>
  *     mig <gpu index> <index on the gpu> <gpu instance id> <compute instance id>
  *         <uuid> <memory bytes> <name, rest of the line>
+ *     giprofile <gpu index> <NVML profile index> <driver profile id> <compute slices>
+ *         <memory slices> <instance count> <memory MiB> <SMs> <CE> <DEC> <ENC> <JPEG> <OFA>
+ *         <legal starts, comma-separated> <profile name, rest of the line>
+ *     migplacement <gpu index> <gpu instance id> <NVML profile index> <start>
+ *     miguuid <gpu index> <gpu instance id> <compute instance id> <uuid>
  * (each record is one line).  <mig> is "none" (MIG not supported), "disabled"
  * or "enabled"; <persistence> is 0 or 1; ids are hex with a 0x prefix.  A mig
  * record is one MIG device of an "enabled" GPU listed before it; a GPU's MIG
- * devices come in creation order, which is their index on the GPU.
+ * devices come in creation order, which is their index on the GPU.  giprofile,
+ * migplacement and miguuid records come from integration/fakehost/mig.py, the
+ * one source of the profile tables, the admin-made instances' placements and
+ * the MIG device UUIDs, so this library never invents any of them.
+ *
+ * MIG management: GPU and compute instances are created and destroyed with
+ * the real NVML calls (nvmlDeviceCreateGpuInstance, ...).  The instances that
+ * exist are the host's, not a process's: they live in
+ *     <root>/etc/mock-nvml/mig-state
+ * ("gi <gpu> <gi id> <profile index> <start>" and "ci <gpu> <gi id> <ci id>
+ * <ci profile id> <start>" lines in creation order), which every change
+ * replaces atomically (rename) while holding flock on mig-state.lock, and
+ * which every MIG query re-reads when it has changed, so a create in one
+ * process is seen by the next and by long-lived ones.  Until the first change
+ * the topology's mig records are the instances (what the admin made at boot).
+ * Like the driver, a change also makes or removes the instance's capability
+ * files (<root>/proc/driver/nvidia/capabilities/gpuN/mig/giG[/ciC]/access)
+ * and its /dev/nvidia-caps/nvidia-capM node (minors from
+ * <root>/proc/driver/nvidia-caps/mig-minors, the major from <root>/proc/devices).
+ * Changes need root, as with the real driver (the mig/config capability).
  *
  * MIG: a MIG device handle answers the calls NVML documents for MIG devices
  * (UUID, name, memory, ids, parent); GPU-only queries (index, minor number,
@@ -45,6 +69,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
@@ -53,6 +78,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 /* Only the NVML entry points are exported; helpers stay hidden
@@ -84,6 +112,7 @@ typedef enum {
     NVML_ERROR_IN_USE = 19,
     NVML_ERROR_MEMORY = 20,
     NVML_ERROR_NO_DATA = 21,
+    NVML_ERROR_INSUFFICIENT_RESOURCES = 23,
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
     NVML_ERROR_UNKNOWN = 999
 } nvmlReturn_t;
@@ -142,6 +171,14 @@ typedef struct {
 #define MOCK_MAX_MIGS (MOCK_MAX_GPUS * MOCK_MAX_MIG_PER_GPU)
 #define MOCK_MAX_GPU_INSTANCE_ID 14
 #define MOCK_MAX_COMPUTE_INSTANCE_ID 7
+#define MOCK_GI_IDS (MOCK_MAX_GPU_INSTANCE_ID + 1)
+#define MOCK_CI_IDS (MOCK_MAX_COMPUTE_INSTANCE_ID + 1)
+/* NVML_GPU_INSTANCE_PROFILE_COUNT and NVML_COMPUTE_INSTANCE_PROFILE_COUNT. */
+#define MOCK_GI_PROFILE_COUNT 0x12
+#define MOCK_CI_PROFILE_COUNT 0x9
+#define MOCK_MEMORY_SLICES 8
+#define MOCK_COMPUTE_SLICES 7
+#define MOCK_PROFILE_NAME_SIZE 32
 
 /* The opaque nvmlDevice_t points at one of these. */
 struct nvmlDevice_st {
@@ -170,11 +207,171 @@ struct nvmlDevice_st {
     unsigned int parent;
     unsigned int gpu_instance_id;
     unsigned int compute_instance_id;
-    /* A GPU: its MIG devices (indices into migs), in creation order. */
+    /* A GPU: its MIG devices, in creation order (indices into topology.migs
+     * while loading, then flat indices into g_migdevs once the live state is
+     * applied). */
     unsigned int mig_count;
     unsigned int migs[MOCK_MAX_MIG_PER_GPU];
+    /* An admin-made MIG device: its GI's profile index and placement start
+     * (migplacement record), -1 when the topology does not say. */
+    int static_profile;
+    int static_start;
 };
 typedef struct nvmlDevice_st *nvmlDevice_t;
+
+/* One GPU instance profile of a GPU (a giprofile record). */
+struct gi_profile {
+    int present;
+    unsigned int id; /* the driver's profile id: what create, placements and capacity take */
+    unsigned int slices;
+    unsigned int memory_slices; /* also the placement size */
+    unsigned int instances;
+    unsigned long long memory_mb;
+    unsigned int sms, copy_engines, decoders, encoders, jpegs, ofas;
+    unsigned int starts; /* bit s set: a placement may start at memory slice s */
+    char name[MOCK_PROFILE_NAME_SIZE];
+};
+
+/* nvmlGpuInstance_t and nvmlComputeInstance_t point at fixed slots, one per
+ * possible (gpu, gi[, ci]), so a handle stays put while the state is re-read
+ * and a destroyed instance's handle is simply not live. */
+struct nvmlGpuInstance_st {
+    int live;
+    unsigned int gpu;
+    unsigned int id;
+    int profile; /* NVML profile index; -1: an admin-made instance of unknown profile */
+    unsigned int start;
+    unsigned int size;
+    unsigned long seq; /* creation order */
+};
+typedef struct nvmlGpuInstance_st *nvmlGpuInstance_t;
+
+struct nvmlComputeInstance_st {
+    int live;
+    unsigned int gpu;
+    unsigned int gi;
+    unsigned int id;
+    unsigned int profile; /* NVML_COMPUTE_INSTANCE_PROFILE_*, which is also its id */
+    unsigned int start;   /* in the GI's compute slices */
+    unsigned int size;
+    unsigned long seq;
+};
+typedef struct nvmlComputeInstance_st *nvmlComputeInstance_t;
+
+typedef struct {
+    unsigned int start;
+    unsigned int size;
+} nvmlGpuInstancePlacement_t;
+typedef nvmlGpuInstancePlacement_t nvmlComputeInstancePlacement_t;
+
+typedef struct {
+    unsigned int id;
+    unsigned int isP2pSupported;
+    unsigned int sliceCount;
+    unsigned int instanceCount;
+    unsigned int multiprocessorCount;
+    unsigned int copyEngineCount;
+    unsigned int decoderCount;
+    unsigned int encoderCount;
+    unsigned int jpegCount;
+    unsigned int ofaCount;
+    unsigned long long memorySizeMB;
+} nvmlGpuInstanceProfileInfo_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned int id;
+    unsigned int isP2pSupported;
+    unsigned int sliceCount;
+    unsigned int instanceCount;
+    unsigned int multiprocessorCount;
+    unsigned int copyEngineCount;
+    unsigned int decoderCount;
+    unsigned int encoderCount;
+    unsigned int jpegCount;
+    unsigned int ofaCount;
+    unsigned long long memorySizeMB;
+    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
+} nvmlGpuInstanceProfileInfo_v2_t;
+
+/* v3 drops isP2pSupported and adds a capabilities mask (nvml.h, R535+). */
+typedef struct {
+    unsigned int version;
+    unsigned int id;
+    unsigned int sliceCount;
+    unsigned int instanceCount;
+    unsigned int multiprocessorCount;
+    unsigned int copyEngineCount;
+    unsigned int decoderCount;
+    unsigned int encoderCount;
+    unsigned int jpegCount;
+    unsigned int ofaCount;
+    unsigned long long memorySizeMB;
+    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
+    unsigned int capabilities;
+} nvmlGpuInstanceProfileInfo_v3_t;
+
+#define nvmlGpuInstanceProfileInfo_v2 ((unsigned int)(sizeof(nvmlGpuInstanceProfileInfo_v2_t) | (2u << 24)))
+#define nvmlGpuInstanceProfileInfo_v3 ((unsigned int)(sizeof(nvmlGpuInstanceProfileInfo_v3_t) | (3u << 24)))
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned int id;
+    unsigned int profileId;
+    nvmlGpuInstancePlacement_t placement;
+} nvmlGpuInstanceInfo_t;
+
+typedef struct {
+    unsigned int id;
+    unsigned int sliceCount;
+    unsigned int instanceCount;
+    unsigned int multiprocessorCount;
+    unsigned int sharedCopyEngineCount;
+    unsigned int sharedDecoderCount;
+    unsigned int sharedEncoderCount;
+    unsigned int sharedJpegCount;
+    unsigned int sharedOfaCount;
+} nvmlComputeInstanceProfileInfo_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned int id;
+    unsigned int sliceCount;
+    unsigned int instanceCount;
+    unsigned int multiprocessorCount;
+    unsigned int sharedCopyEngineCount;
+    unsigned int sharedDecoderCount;
+    unsigned int sharedEncoderCount;
+    unsigned int sharedJpegCount;
+    unsigned int sharedOfaCount;
+    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
+} nvmlComputeInstanceProfileInfo_v2_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned int id;
+    unsigned int sliceCount;
+    unsigned int instanceCount;
+    unsigned int multiprocessorCount;
+    unsigned int sharedCopyEngineCount;
+    unsigned int sharedDecoderCount;
+    unsigned int sharedEncoderCount;
+    unsigned int sharedJpegCount;
+    unsigned int sharedOfaCount;
+    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
+    unsigned int capabilities;
+} nvmlComputeInstanceProfileInfo_v3_t;
+
+#define nvmlComputeInstanceProfileInfo_v2 ((unsigned int)(sizeof(nvmlComputeInstanceProfileInfo_v2_t) | (2u << 24)))
+#define nvmlComputeInstanceProfileInfo_v3 ((unsigned int)(sizeof(nvmlComputeInstanceProfileInfo_v3_t) | (3u << 24)))
+
+typedef struct {
+    nvmlDevice_t device;
+    nvmlGpuInstance_t gpuInstance;
+    unsigned int id;
+    unsigned int profileId;
+    nvmlComputeInstancePlacement_t placement;
+} nvmlComputeInstanceInfo_t;
 
 struct topology {
     char driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
@@ -182,8 +379,13 @@ struct topology {
     int cuda_version;
     unsigned int count;
     struct nvmlDevice_st devices[MOCK_MAX_GPUS];
+    /* The admin-made MIG devices (mig records), as the topology lists them. */
     unsigned int mig_total;
     struct nvmlDevice_st migs[MOCK_MAX_MIGS];
+    /* Per GPU: its GPU instance profiles by NVML index, and the UUID of each
+     * possible MIG device ("" where the topology gives none). */
+    struct gi_profile profiles[MOCK_MAX_GPUS][MOCK_GI_PROFILE_COUNT];
+    char mig_uuids[MOCK_MAX_GPUS][MOCK_GI_IDS][MOCK_CI_IDS][NVML_DEVICE_UUID_V2_BUFFER_SIZE];
 };
 
 /* Init/shutdown and topology (re)loading happen under g_lock.  Readers only
@@ -206,6 +408,9 @@ static pthread_mutex_t g_log_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t g_paths_once = PTHREAD_ONCE_INIT;
 static char g_topology_path[PATH_MAX];
 static char g_calls_log_path[PATH_MAX];
+static char g_root[PATH_MAX]; /* the host root; "" stands for "/" */
+static char g_state_path[PATH_MAX];
+static char g_state_lock_path[PATH_MAX];
 
 /* dst = root + rel, or "" when that would not fit. */
 static void join_path(char *dst, size_t size, const char *root, const char *rel)
@@ -235,6 +440,9 @@ static void compute_paths(void)
     }
     join_path(g_topology_path, sizeof g_topology_path, real, "/etc/mock-nvml/topology");
     join_path(g_calls_log_path, sizeof g_calls_log_path, real, "/etc/mock-nvml/calls.log");
+    join_path(g_state_path, sizeof g_state_path, real, "/etc/mock-nvml/mig-state");
+    join_path(g_state_lock_path, sizeof g_state_lock_path, real, "/etc/mock-nvml/mig-state.lock");
+    join_path(g_root, sizeof g_root, real, "");
 }
 
 static void ensure_paths(void)
@@ -394,6 +602,8 @@ static nvmlReturn_t parse_mig(struct topology *topo, char *line, unsigned int li
     /* Cannot overflow: each of at most MOCK_MAX_GPUS gpus has at most
      * MOCK_MAX_MIG_PER_GPU MIG devices. */
     dev.is_mig = 1;
+    dev.static_profile = -1;
+    dev.static_start = -1;
     dev.parent = gpu;
     dev.index = position;
     dev.minor = parent->minor;
@@ -404,6 +614,78 @@ static nvmlReturn_t parse_mig(struct topology *topo, char *line, unsigned int li
     dev.persistence = parent->persistence;
     parent->migs[parent->mig_count++] = topo->mig_total;
     topo->migs[topo->mig_total++] = dev;
+    return NVML_SUCCESS;
+}
+
+/* Parses one "giprofile ..." record: one GPU instance profile of a listed GPU. */
+static nvmlReturn_t parse_giprofile(struct topology *topo, char *line, unsigned int lineno)
+{
+    struct gi_profile p;
+    unsigned int gpu, index;
+    char starts[64];
+    int name_at = -1;
+
+    memset(&p, 0, sizeof p);
+    int fields = sscanf(line, "giprofile %u %u %u %u %u %u %llu %u %u %u %u %u %u %63s %n", &gpu, &index, &p.id,
+                        &p.slices, &p.memory_slices, &p.instances, &p.memory_mb, &p.sms, &p.copy_engines,
+                        &p.decoders, &p.encoders, &p.jpegs, &p.ofas, starts, &name_at);
+    if (fields != 14 || name_at < 0)
+        return topology_error(lineno, "malformed giprofile record");
+    if (gpu >= topo->count)
+        return topology_error(lineno, "giprofile record before its gpu record");
+    if (index >= MOCK_GI_PROFILE_COUNT || topo->profiles[gpu][index].present)
+        return topology_error(lineno, "bad or duplicate giprofile index");
+    if (p.slices == 0 || p.slices > MOCK_COMPUTE_SLICES || p.memory_slices == 0 ||
+        p.memory_slices > MOCK_MEMORY_SLICES || (p.memory_slices & (p.memory_slices - 1)) != 0)
+        return topology_error(lineno, "giprofile slices out of range");
+    for (char *token = strtok(starts, ","); token != NULL; token = strtok(NULL, ",")) {
+        char *end;
+        unsigned long start = strtoul(token, &end, 10);
+        if (*end != '\0' || start % p.memory_slices != 0 || start + p.memory_slices > MOCK_MEMORY_SLICES)
+            return topology_error(lineno, "giprofile start must be aligned to its size and on the GPU");
+        p.starts |= 1u << start;
+    }
+    if (copy_field(p.name, sizeof p.name, line + name_at) != 0)
+        return topology_error(lineno, "missing or overlong giprofile name");
+    p.present = 1;
+    topo->profiles[gpu][index] = p;
+    return NVML_SUCCESS;
+}
+
+/* Parses one "migplacement <gpu> <gi> <profile index> <start>" record for an admin-made GI. */
+static nvmlReturn_t parse_migplacement(struct topology *topo, char *line, unsigned int lineno)
+{
+    unsigned int gpu, gi, profile, start;
+    int seen = 0;
+
+    if (sscanf(line, "migplacement %u %u %u %u", &gpu, &gi, &profile, &start) != 4)
+        return topology_error(lineno, "malformed migplacement record");
+    if (gpu >= topo->count || profile >= MOCK_GI_PROFILE_COUNT || !topo->profiles[gpu][profile].present)
+        return topology_error(lineno, "migplacement for an unknown gpu or profile");
+    if (!(topo->profiles[gpu][profile].starts & (1u << start)))
+        return topology_error(lineno, "migplacement start is not a legal placement of its profile");
+    for (unsigned int i = 0; i < topo->mig_total; i++) {
+        struct nvmlDevice_st *mig = &topo->migs[i];
+        if (mig->parent == gpu && mig->gpu_instance_id == gi) {
+            mig->static_profile = (int)profile;
+            mig->static_start = (int)start;
+            seen = 1;
+        }
+    }
+    return seen ? NVML_SUCCESS : topology_error(lineno, "migplacement for a gpu instance no mig record lists");
+}
+
+/* Parses one "miguuid <gpu> <gi> <ci> <uuid>" record. */
+static nvmlReturn_t parse_miguuid(struct topology *topo, char *line, unsigned int lineno)
+{
+    unsigned int gpu, gi, ci;
+    char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+
+    if (sscanf(line, "miguuid %u %u %u %95s", &gpu, &gi, &ci, uuid) != 4)
+        return topology_error(lineno, "malformed miguuid record");
+    if (gpu >= topo->count || gi >= MOCK_GI_IDS || ci >= MOCK_CI_IDS || strncmp(uuid, "MIG-", 4) != 0)
+        return topology_error(lineno, "miguuid out of range or not a MIG- uuid");
+    memcpy(topo->mig_uuids[gpu][gi][ci], uuid, strlen(uuid) + 1);
     return NVML_SUCCESS;
 }
 
@@ -427,6 +709,12 @@ static nvmlReturn_t parse_line(struct topology *topo, char *line, unsigned int l
         return parse_mig(topo, line, lineno);
     if (strncmp(line, "health ", 7) == 0)
         return parse_health(topo, line, lineno);
+    if (strncmp(line, "giprofile ", 10) == 0)
+        return parse_giprofile(topo, line, lineno);
+    if (strncmp(line, "migplacement ", 13) == 0)
+        return parse_migplacement(topo, line, lineno);
+    if (strncmp(line, "miguuid ", 8) == 0)
+        return parse_miguuid(topo, line, lineno);
     if (sscanf(line, "driver %79s", value) == 1)
         return copy_field(topo->driver_version, sizeof topo->driver_version, value) == 0
                    ? NVML_SUCCESS
@@ -474,6 +762,12 @@ static nvmlReturn_t load_topology(struct topology *topo)
 
 /* ---- helpers for the entry points --------------------------------------- */
 
+static struct nvmlDevice_st g_migdevs[MOCK_MAX_GPUS][MOCK_GI_IDS][MOCK_CI_IDS];
+#define MOCK_MIGDEV_SLOTS (MOCK_MAX_GPUS * MOCK_GI_IDS * MOCK_CI_IDS)
+#define g_migdev_flat (&g_migdevs[0][0][0])
+static pthread_mutex_t g_mig_lock = PTHREAD_MUTEX_INITIALIZER;
+static void refresh_state(int force);
+
 static int initialized(void)
 {
     return atomic_load(&g_refcount) > 0;
@@ -493,7 +787,8 @@ static int in_table(nvmlDevice_t device, const struct nvmlDevice_st *table, unsi
 /* Checks that a handle is one this library handed out: a GPU or a MIG device. */
 static int valid_device(nvmlDevice_t device)
 {
-    return in_table(device, g_topo.devices, g_topo.count) || in_table(device, g_topo.migs, g_topo.mig_total);
+    return in_table(device, g_topo.devices, g_topo.count) ||
+           (in_table(device, g_migdev_flat, MOCK_MIGDEV_SLOTS) && device->is_mig);
 }
 
 /* Common prologue for device queries: initialised, known handle, out pointer. */
@@ -536,6 +831,434 @@ static nvmlReturn_t copy_out(char *buffer, unsigned int length, const char *valu
     return NVML_SUCCESS;
 }
 
+/* ---- live MIG state ------------------------------------------------------ */
+
+static struct nvmlGpuInstance_st g_gis[MOCK_MAX_GPUS][MOCK_GI_IDS];
+static struct nvmlComputeInstance_st g_cis[MOCK_MAX_GPUS][MOCK_GI_IDS][MOCK_CI_IDS];
+/* The MIG device handles (g_migdevs, declared above: one slot per (gpu, gi,
+ * ci), is_mig marks a live one).  MIG state changes and re-reads happen under
+ * g_mig_lock (NVML is called from many threads); flock on mig-state.lock
+ * orders changes across processes. */
+static unsigned long g_seq;
+/* What the applied state was read from: 0 = the topology's mig records, 1 = mig-state. */
+static int g_state_source = -1;
+static struct stat g_state_stat;
+
+/* The GI id the driver gives a placement (mig.py's swizzle_gi_id): the node of
+ * the binary tree over the 8 memory slices, whole GPU 0, halves 1-2,
+ * quarters 3-6, eighths 7-14. */
+static unsigned int gi_id_of(unsigned int start, unsigned int size)
+{
+    switch (size) {
+    case 8: return 0;
+    case 4: return 1 + start / 4;
+    case 2: return 3 + start / 2;
+    default: return 7 + start;
+    }
+}
+
+/* The reverse, for admin-made instances whose placement the topology does not give. */
+static void placement_of_gi(unsigned int gi, unsigned int *start, unsigned int *size)
+{
+    if (gi == 0) { *start = 0; *size = 8; }
+    else if (gi <= 2) { *start = (gi - 1) * 4; *size = 4; }
+    else if (gi <= 6) { *start = (gi - 3) * 2; *size = 2; }
+    else { *start = gi - 7; *size = 1; }
+}
+
+/* Compute slices of NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE (0-4); 0 for the
+ * profiles no simulated GPU offers. */
+static unsigned int ci_profile_slices(unsigned int profile)
+{
+    static const unsigned int slices[] = {1, 2, 3, 4, 7};
+    return profile < sizeof slices / sizeof slices[0] ? slices[profile] : 0;
+}
+
+/* Whether a GI of gi_slices compute slices offers CI profile p: sizes up to the
+ * GI's, except 3c in a 4g (nvidia-smi mig -lcip: 4g has 1c, 2c, 4c). */
+static int ci_profile_fits(unsigned int profile, unsigned int gi_slices)
+{
+    unsigned int s = ci_profile_slices(profile);
+    return s != 0 && s <= gi_slices && !(s == 3 && gi_slices == 4);
+}
+
+static const struct gi_profile *gi_profile_of(const struct nvmlGpuInstance_st *gi)
+{
+    if (gi->profile < 0)
+        return NULL;
+    const struct gi_profile *p = &g_topo.profiles[gi->gpu][gi->profile];
+    return p->present ? p : NULL;
+}
+
+/* The CI's profile name: the GI's for a CI that spans it, "<n>c.<gi>" otherwise. */
+static void ci_name(const struct nvmlGpuInstance_st *gi, unsigned int ci_profile, char *out, size_t size)
+{
+    const struct gi_profile *p = gi_profile_of(gi);
+    const char *gi_name = p != NULL ? p->name : "unknown";
+    unsigned int s = ci_profile_slices(ci_profile);
+    if (p == NULL || s == p->slices)
+        snprintf(out, size, "%s", gi_name);
+    else
+        snprintf(out, size, "%uc.%s", s, gi_name);
+}
+
+/* The admin-made MIG device the topology lists for (gpu, gi, ci), if its GI still has that profile. */
+static const struct nvmlDevice_st *static_mig(unsigned int gpu, const struct nvmlGpuInstance_st *gi, unsigned int ci)
+{
+    for (unsigned int i = 0; i < g_topo.mig_total; i++) {
+        const struct nvmlDevice_st *mig = &g_topo.migs[i];
+        if (mig->parent == gpu && mig->gpu_instance_id == gi->id && mig->compute_instance_id == ci &&
+            mig->static_profile == gi->profile)
+            return mig;
+    }
+    return NULL;
+}
+
+/* Fills the MIG device slot of a live CI from its GPU, GI and CI. */
+static void fill_migdev(const struct nvmlComputeInstance_st *ci)
+{
+    struct nvmlDevice_st *dev = &g_migdevs[ci->gpu][ci->gi][ci->id];
+    const struct nvmlDevice_st *gpu = &g_topo.devices[ci->gpu];
+    const struct nvmlGpuInstance_st *gi = &g_gis[ci->gpu][ci->gi];
+    const struct nvmlDevice_st *admin = static_mig(ci->gpu, gi, ci->id);
+
+    memset(dev, 0, sizeof *dev);
+    if (admin != NULL) {
+        *dev = *admin;
+    } else {
+        const struct gi_profile *p = gi_profile_of(gi);
+        char name[MOCK_PROFILE_NAME_SIZE + 8];
+        const char *uuid = g_topo.mig_uuids[ci->gpu][ci->gi][ci->id];
+        ci_name(gi, ci->profile, name, sizeof name);
+        if (uuid[0] != '\0')
+            snprintf(dev->uuid, sizeof dev->uuid, "%s", uuid);
+        else /* a hand-written topology without miguuid records: the legacy form NVML also accepts */
+            snprintf(dev->uuid, sizeof dev->uuid, "MIG-%.40s/%u/%u", gpu->uuid, ci->gi, ci->id);
+        snprintf(dev->name, sizeof dev->name, "%.56s MIG %.34s", gpu->name, name);
+        dev->memory_total = p != NULL ? p->memory_mb * 1024ull * 1024ull : 0;
+    }
+    dev->is_mig = 1;
+    dev->parent = ci->gpu;
+    dev->gpu_instance_id = ci->gi;
+    dev->compute_instance_id = ci->id;
+    dev->minor = gpu->minor;
+    dev->cc_major = gpu->cc_major;
+    dev->cc_minor = gpu->cc_minor;
+    dev->brand = gpu->brand;
+    dev->mig_mode = MOCK_MIG_NONE;
+    dev->persistence = gpu->persistence;
+    dev->mig_count = 0;
+}
+
+static void clear_state(void)
+{
+    memset(g_gis, 0, sizeof g_gis);
+    memset(g_cis, 0, sizeof g_cis);
+    for (unsigned int i = 0; i < MOCK_MIGDEV_SLOTS; i++)
+        g_migdev_flat[i].is_mig = 0;
+    g_seq = 0;
+}
+
+static int add_gi(unsigned int gpu, unsigned int id, int profile, unsigned int start, unsigned int size)
+{
+    if (gpu >= g_topo.count || id >= MOCK_GI_IDS || g_gis[gpu][id].live)
+        return -1;
+    g_gis[gpu][id] = (struct nvmlGpuInstance_st){1, gpu, id, profile, start, size, ++g_seq};
+    return 0;
+}
+
+static int add_ci(unsigned int gpu, unsigned int gi, unsigned int id, unsigned int profile, unsigned int start)
+{
+    if (gpu >= g_topo.count || gi >= MOCK_GI_IDS || id >= MOCK_CI_IDS || !g_gis[gpu][gi].live ||
+        g_cis[gpu][gi][id].live)
+        return -1;
+    g_cis[gpu][gi][id] =
+        (struct nvmlComputeInstance_st){1, gpu, gi, id, profile, start, ci_profile_slices(profile), ++g_seq};
+    return 0;
+}
+
+/* Rebuilds every GPU's MIG device list (creation order of the CIs) and the device slots. */
+static void index_migdevs(void)
+{
+    for (unsigned int i = 0; i < MOCK_MIGDEV_SLOTS; i++)
+        g_migdev_flat[i].is_mig = 0;
+    for (unsigned int gpu = 0; gpu < g_topo.count; gpu++) {
+        struct nvmlDevice_st *dev = &g_topo.devices[gpu];
+        unsigned long last = 0;
+        dev->mig_count = 0;
+        /* Selection by sequence number; at most 7 CIs per GPU, so this stays tiny. */
+        while (dev->mig_count < MOCK_MAX_MIG_PER_GPU) {
+            struct nvmlComputeInstance_st *next = NULL;
+            for (unsigned int gi = 0; gi < MOCK_GI_IDS; gi++)
+                for (unsigned int ci = 0; ci < MOCK_CI_IDS; ci++) {
+                    struct nvmlComputeInstance_st *c = &g_cis[gpu][gi][ci];
+                    if (c->live && c->seq > last && (next == NULL || c->seq < next->seq))
+                        next = c;
+                }
+            if (next == NULL)
+                break;
+            last = next->seq;
+            fill_migdev(next);
+            dev->migs[dev->mig_count++] = (unsigned int)(&g_migdevs[gpu][next->gi][next->id] - g_migdev_flat);
+        }
+    }
+}
+
+/* The admin-made instances of the topology's mig records. */
+static void seed_from_topology(void)
+{
+    clear_state();
+    for (unsigned int i = 0; i < g_topo.mig_total; i++) {
+        const struct nvmlDevice_st *mig = &g_topo.migs[i];
+        unsigned int start, size;
+        placement_of_gi(mig->gpu_instance_id, &start, &size);
+        if (mig->static_profile >= 0) {
+            start = (unsigned int)mig->static_start;
+            size = g_topo.profiles[mig->parent][mig->static_profile].memory_slices;
+        }
+        if (!g_gis[mig->parent][mig->gpu_instance_id].live)
+            add_gi(mig->parent, mig->gpu_instance_id, mig->static_profile, start, size);
+        /* Admin-made instances have one CI spanning the GI. */
+        unsigned int ci_profile = 0;
+        const struct gi_profile *p = gi_profile_of(&g_gis[mig->parent][mig->gpu_instance_id]);
+        for (unsigned int cp = 0; p != NULL && cp < MOCK_CI_PROFILE_COUNT; cp++)
+            if (ci_profile_slices(cp) == p->slices)
+                ci_profile = cp;
+        add_ci(mig->parent, mig->gpu_instance_id, mig->compute_instance_id, ci_profile, 0);
+    }
+}
+
+/* Reads mig-state into the tables; -1 (tables cleared) if it is malformed. */
+static int read_state_file(FILE *file)
+{
+    char line[256];
+    int ok = 1;
+
+    clear_state();
+    if (fgets(line, sizeof line, file) == NULL || strcmp(line, "mock-nvml-mig-state 1\n") != 0)
+        ok = 0;
+    while (ok && fgets(line, sizeof line, file) != NULL) {
+        unsigned int gpu, gi, ci, profile, start;
+        int iprofile;
+        if (sscanf(line, "gi %u %u %d %u", &gpu, &gi, &iprofile, &start) == 4) {
+            unsigned int size, ignored;
+            placement_of_gi(gi, &ignored, &size);
+            if (gpu < g_topo.count && iprofile >= 0 && iprofile < MOCK_GI_PROFILE_COUNT &&
+                g_topo.profiles[gpu][iprofile].present)
+                size = g_topo.profiles[gpu][iprofile].memory_slices;
+            ok = add_gi(gpu, gi, iprofile, start, size) == 0;
+        } else if (sscanf(line, "ci %u %u %u %u %u", &gpu, &gi, &ci, &profile, &start) == 5) {
+            ok = add_ci(gpu, gi, ci, profile, start) == 0;
+        } else {
+            ok = 0;
+        }
+    }
+    if (!ok) {
+        fprintf(stderr, "mock-nvml: %s is malformed; no MIG instances\n", g_state_path);
+        clear_state();
+        return -1;
+    }
+    return 0;
+}
+
+/* Brings the tables up to date with the host: mig-state if it exists (re-read
+ * only when it was replaced), the topology's mig records otherwise.  Called
+ * with g_mig_lock held. */
+static void refresh_state(int force)
+{
+    struct stat st;
+    ensure_paths();
+    if (g_state_path[0] == '\0' || stat(g_state_path, &st) != 0) {
+        if (force || g_state_source != 0) {
+            seed_from_topology();
+            index_migdevs();
+            g_state_source = 0;
+        }
+        return;
+    }
+    if (!force && g_state_source == 1 && st.st_ino == g_state_stat.st_ino && st.st_dev == g_state_stat.st_dev &&
+        st.st_mtim.tv_sec == g_state_stat.st_mtim.tv_sec && st.st_mtim.tv_nsec == g_state_stat.st_mtim.tv_nsec &&
+        st.st_size == g_state_stat.st_size)
+        return;
+    FILE *file = fopen(g_state_path, "re");
+    if (file == NULL) {
+        clear_state();
+    } else {
+        /* fstat the file actually read: a concurrent rename must not be mistaken for it. */
+        if (fstat(fileno(file), &st) != 0)
+            memset(&st, 0, sizeof st);
+        read_state_file(file);
+        fclose(file);
+    }
+    index_migdevs();
+    g_state_source = 1;
+    g_state_stat = st;
+}
+
+/* Writes the tables to mig-state (creation order) through a temporary file and rename. */
+static int write_state(void)
+{
+    char tmp[PATH_MAX + 32];
+    unsigned long last = 0;
+
+    if (snprintf(tmp, sizeof tmp, "%s.%ld", g_state_path, (long)getpid()) >= (int)sizeof tmp)
+        return -1;
+    FILE *file = fopen(tmp, "we");
+    if (file == NULL)
+        return -1;
+    fprintf(file, "mock-nvml-mig-state 1\n");
+    for (;;) {
+        struct nvmlGpuInstance_st *gi_next = NULL;
+        struct nvmlComputeInstance_st *ci_next = NULL;
+        unsigned long best = 0;
+        for (unsigned int gpu = 0; gpu < g_topo.count; gpu++)
+            for (unsigned int gi = 0; gi < MOCK_GI_IDS; gi++) {
+                struct nvmlGpuInstance_st *g = &g_gis[gpu][gi];
+                if (g->live && g->seq > last && (best == 0 || g->seq < best)) {
+                    best = g->seq; gi_next = g; ci_next = NULL;
+                }
+                for (unsigned int ci = 0; ci < MOCK_CI_IDS; ci++) {
+                    struct nvmlComputeInstance_st *c = &g_cis[gpu][gi][ci];
+                    if (c->live && c->seq > last && (best == 0 || c->seq < best)) {
+                        best = c->seq; ci_next = c; gi_next = NULL;
+                    }
+                }
+            }
+        if (best == 0)
+            break;
+        last = best;
+        if (gi_next != NULL)
+            fprintf(file, "gi %u %u %d %u\n", gi_next->gpu, gi_next->id, gi_next->profile, gi_next->start);
+        else
+            fprintf(file, "ci %u %u %u %u %u\n", ci_next->gpu, ci_next->gi, ci_next->id, ci_next->profile,
+                    ci_next->start);
+    }
+    int failed = ferror(file);
+    failed |= fclose(file) != 0;
+    /* World-readable: unprivileged processes query the instances too. */
+    if (failed || chmod(tmp, 0644) != 0 || rename(tmp, g_state_path) != 0) {
+        unlink(tmp);
+        return -1;
+    }
+    struct stat st;
+    if (stat(g_state_path, &st) == 0) {
+        g_state_source = 1;
+        g_state_stat = st;
+    }
+    return 0;
+}
+
+/* ---- the driver's side effects: capability files and nodes ---------------- */
+
+/* The minor mig-minors gives "gpu<minor>/gi<gi>[/ci<ci>]/access", or -1. */
+static long caps_minor(unsigned int gpu_minor, unsigned int gi, int ci)
+{
+    char path[PATH_MAX + 64], want[96], line[128];
+    long minor = -1;
+
+    snprintf(path, sizeof path, "%s/proc/driver/nvidia-caps/mig-minors", g_root);
+    if (ci < 0)
+        snprintf(want, sizeof want, "gpu%u/gi%u/access", gpu_minor, gi);
+    else
+        snprintf(want, sizeof want, "gpu%u/gi%u/ci%d/access", gpu_minor, gi, ci);
+    FILE *file = fopen(path, "re");
+    if (file == NULL)
+        return -1;
+    size_t len = strlen(want);
+    while (minor < 0 && fgets(line, sizeof line, file) != NULL)
+        if (strncmp(line, want, len) == 0 && line[len] == ' ')
+            minor = strtol(line + len + 1, NULL, 10);
+    fclose(file);
+    return minor;
+}
+
+/* The nvidia-caps major from /proc/devices, or -1. */
+static long caps_major(void)
+{
+    char path[PATH_MAX + 32], line[128], name[96];
+    long major = -1, number;
+
+    snprintf(path, sizeof path, "%s/proc/devices", g_root);
+    FILE *file = fopen(path, "re");
+    if (file == NULL)
+        return -1;
+    while (major < 0 && fgets(line, sizeof line, file) != NULL)
+        if (sscanf(line, " %ld %95s", &number, name) == 2 && strcmp(name, "nvidia-caps") == 0)
+            major = number;
+    fclose(file);
+    return major;
+}
+
+/* mkdir -p of dir (inside the host root), 0755. */
+static int make_dirs(char *dir)
+{
+    for (char *slash = strchr(dir + 1, '/'); slash != NULL; slash = strchr(slash + 1, '/')) {
+        *slash = '\0';
+        int failed = mkdir(dir, 0755) != 0 && errno != EEXIST;
+        *slash = '/';
+        if (failed)
+            return -1;
+    }
+    return mkdir(dir, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* The capability directory of a GI or CI: .../capabilities/gpuN/mig/giG[/ciC]. */
+static void caps_dir(char *out, size_t size, unsigned int gpu_minor, unsigned int gi, int ci)
+{
+    if (ci < 0)
+        snprintf(out, size, "%s/proc/driver/nvidia/capabilities/gpu%u/mig/gi%u", g_root, gpu_minor, gi);
+    else
+        snprintf(out, size, "%s/proc/driver/nvidia/capabilities/gpu%u/mig/gi%u/ci%d", g_root, gpu_minor, gi, ci);
+}
+
+/* What the driver makes for a new GI (ci < 0) or CI: its capability file,
+ * as mig.py's capability_file() words it (mode 0444, i.e. 292), and the node
+ * nvidia-modprobe would make from it. */
+static int caps_create(unsigned int gpu_minor, unsigned int gi, int ci)
+{
+    char dir[PATH_MAX + 96], file_path[PATH_MAX + 128], node[PATH_MAX + 64];
+    long minor = caps_minor(gpu_minor, gi, ci);
+    long major = caps_major();
+
+    if (minor < 0 || major < 0)
+        return -1;
+    caps_dir(dir, sizeof dir, gpu_minor, gi, ci);
+    snprintf(file_path, sizeof file_path, "%s/access", dir);
+    if (make_dirs(dir) != 0)
+        return -1;
+    FILE *file = fopen(file_path, "we");
+    if (file == NULL)
+        return -1;
+    fprintf(file, "DeviceFileMinor: %ld\nDeviceFileMode: %d\nDeviceFileModify: 1\n", minor, 0444);
+    if (fclose(file) != 0 || chmod(file_path, 0444) != 0)
+        return -1;
+    snprintf(node, sizeof node, "%s/dev/nvidia-caps", g_root);
+    if (make_dirs(node) != 0)
+        return -1;
+    snprintf(node, sizeof node, "%s/dev/nvidia-caps/nvidia-cap%ld", g_root, minor);
+    unlink(node);
+    if (mknod(node, S_IFCHR | 0444, makedev((unsigned int)major, (unsigned int)minor)) != 0 || chmod(node, 0444) != 0)
+        return -1;
+    return 0;
+}
+
+/* Undoes caps_create: the access file, the directory (a GI's ciC directories
+ * are gone by then: a GI with CIs cannot be destroyed) and the node. */
+static void caps_remove(unsigned int gpu_minor, unsigned int gi, int ci)
+{
+    char dir[PATH_MAX + 96], file_path[PATH_MAX + 128], node[PATH_MAX + 64];
+    long minor = caps_minor(gpu_minor, gi, ci);
+
+    caps_dir(dir, sizeof dir, gpu_minor, gi, ci);
+    snprintf(file_path, sizeof file_path, "%s/access", dir);
+    unlink(file_path);
+    rmdir(dir);
+    if (minor >= 0) {
+        snprintf(node, sizeof node, "%s/dev/nvidia-caps/nvidia-cap%ld", g_root, minor);
+        unlink(node);
+    }
+}
+
 /* ---- initialisation ----------------------------------------------------- */
 
 static nvmlReturn_t init_common(void)
@@ -543,8 +1266,12 @@ static nvmlReturn_t init_common(void)
     nvmlReturn_t ret = NVML_SUCCESS;
 
     pthread_mutex_lock(&g_lock);
-    if (atomic_load(&g_refcount) == 0)
+    if (atomic_load(&g_refcount) == 0) {
         ret = load_topology(&g_topo);
+        pthread_mutex_lock(&g_mig_lock);
+        refresh_state(1);
+        pthread_mutex_unlock(&g_mig_lock);
+    }
     if (ret == NVML_SUCCESS)
         atomic_fetch_add(&g_refcount, 1);
     pthread_mutex_unlock(&g_lock);
@@ -616,6 +1343,7 @@ NVML_EXPORT const char *nvmlErrorString(nvmlReturn_t result)
     case NVML_ERROR_IN_USE: return "In use by another client";
     case NVML_ERROR_MEMORY: return "Insufficient Memory";
     case NVML_ERROR_NO_DATA: return "No data";
+    case NVML_ERROR_INSUFFICIENT_RESOURCES: return "Ran out of critical resources, other than memory";
     case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
     default: return "Unknown Error";
     }
@@ -724,9 +1452,9 @@ static nvmlReturn_t mig_by_legacy_uuid(const char *uuid, nvmlDevice_t *device)
         return NVML_ERROR_NOT_FOUND;
     memcpy(parent_uuid, uuid + 4, len);
     parent_uuid[len] = '\0';
-    for (unsigned int i = 0; i < g_topo.mig_total; i++) {
-        struct nvmlDevice_st *mig = &g_topo.migs[i];
-        if (mig->gpu_instance_id == gi && mig->compute_instance_id == ci &&
+    for (unsigned int i = 0; i < MOCK_MIGDEV_SLOTS; i++) {
+        struct nvmlDevice_st *mig = &g_migdev_flat[i];
+        if (mig->is_mig && mig->gpu_instance_id == gi && mig->compute_instance_id == ci &&
             strcmp(g_topo.devices[mig->parent].uuid, parent_uuid) == 0) {
             *device = mig;
             return NVML_SUCCESS;
@@ -748,13 +1476,19 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_
             return NVML_SUCCESS;
         }
     }
-    for (unsigned int i = 0; i < g_topo.mig_total; i++) {
-        if (strcmp(g_topo.migs[i].uuid, uuid) == 0) {
-            *device = &g_topo.migs[i];
-            return NVML_SUCCESS;
+    pthread_mutex_lock(&g_mig_lock);
+    refresh_state(0);
+    nvmlReturn_t ret = NVML_ERROR_NOT_FOUND;
+    for (unsigned int i = 0; i < MOCK_MIGDEV_SLOTS && ret != NVML_SUCCESS; i++) {
+        if (g_migdev_flat[i].is_mig && strcmp(g_migdev_flat[i].uuid, uuid) == 0) {
+            *device = &g_migdev_flat[i];
+            ret = NVML_SUCCESS;
         }
     }
-    return mig_by_legacy_uuid(uuid, device);
+    if (ret != NVML_SUCCESS)
+        ret = mig_by_legacy_uuid(uuid, device);
+    pthread_mutex_unlock(&g_mig_lock);
+    return ret;
 }
 
 /* ---- device queries ------------------------------------------------------ */
@@ -947,10 +1681,15 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device
      * below it, a slot without a MIG device is not found. */
     if (device->mig_mode != MOCK_MIG_ENABLED || index >= MOCK_MAX_MIG_PER_GPU)
         return NVML_ERROR_INVALID_ARGUMENT;
-    if (index >= device->mig_count)
-        return NVML_ERROR_NOT_FOUND;
-    *migDevice = &g_topo.migs[device->migs[index]];
-    return NVML_SUCCESS;
+    pthread_mutex_lock(&g_mig_lock);
+    refresh_state(0);
+    ret = NVML_ERROR_NOT_FOUND;
+    if (index < device->mig_count) {
+        *migDevice = &g_migdev_flat[device->migs[index]];
+        ret = NVML_SUCCESS;
+    }
+    pthread_mutex_unlock(&g_mig_lock);
+    return ret;
 }
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice,
@@ -979,4 +1718,611 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, uns
     if (ret == NVML_SUCCESS)
         *id = device->compute_instance_id;
     return ret;
+}
+
+/* ---- MIG management -------------------------------------------------------- */
+
+/* A GPU in MIG mode: MIG calls on anything else are NOT_SUPPORTED, as nvml.h says. */
+static nvmlReturn_t check_mig_gpu(nvmlDevice_t device, const void *out)
+{
+    nvmlReturn_t ret = check_device(device, out);
+    if (ret == NVML_SUCCESS && device->is_mig)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS && device->mig_mode != MOCK_MIG_ENABLED)
+        ret = NVML_ERROR_NOT_SUPPORTED;
+    return ret;
+}
+
+/* A handle this library handed out for an instance that still exists. */
+static int valid_gi(nvmlGpuInstance_t gi)
+{
+    uintptr_t base = (uintptr_t)&g_gis[0][0], ptr = (uintptr_t)gi;
+    return gi != NULL && ptr >= base && (ptr - base) % sizeof *gi == 0 &&
+           (ptr - base) / sizeof *gi < (uintptr_t)(MOCK_MAX_GPUS * MOCK_GI_IDS) && gi->live;
+}
+
+static int valid_ci(nvmlComputeInstance_t ci)
+{
+    uintptr_t base = (uintptr_t)&g_cis[0][0][0], ptr = (uintptr_t)ci;
+    return ci != NULL && ptr >= base && (ptr - base) % sizeof *ci == 0 &&
+           (ptr - base) / sizeof *ci < (uintptr_t)(MOCK_MAX_GPUS * MOCK_GI_IDS * MOCK_CI_IDS) && ci->live;
+}
+
+/* The NVML profile index of the driver profile id on a GPU, or -1. */
+static int profile_by_id(unsigned int gpu, unsigned int id)
+{
+    for (int index = 0; index < MOCK_GI_PROFILE_COUNT; index++)
+        if (g_topo.profiles[gpu][index].present && g_topo.profiles[gpu][index].id == id)
+            return index;
+    return -1;
+}
+
+/* Memory slices the live GIs of a GPU occupy, as a bitmask. */
+static unsigned int taken_slices(unsigned int gpu)
+{
+    unsigned int taken = 0;
+    for (unsigned int id = 0; id < MOCK_GI_IDS; id++) {
+        const struct nvmlGpuInstance_st *gi = &g_gis[gpu][id];
+        if (gi->live)
+            taken |= ((1u << gi->size) - 1) << gi->start;
+    }
+    return taken;
+}
+
+/* Why a GI of profile index could not go anywhere (or at start, when start >= 0):
+ * NVML_SUCCESS with *chosen set when it can.  Besides free memory slices the
+ * driver keeps to the profile's instance count, the GPU's compute slices and
+ * its one set of media engines (OFA: +me and 7g). */
+static nvmlReturn_t find_gi_placement(unsigned int gpu, int index, int start, unsigned int *chosen)
+{
+    const struct gi_profile *p = &g_topo.profiles[gpu][index];
+    unsigned int count = 0, compute = 0, ofa = 0, max_ofa = 0;
+    for (int i = 0; i < MOCK_GI_PROFILE_COUNT; i++)
+        if (g_topo.profiles[gpu][i].present && g_topo.profiles[gpu][i].ofas > max_ofa)
+            max_ofa = g_topo.profiles[gpu][i].ofas;
+    for (unsigned int id = 0; id < MOCK_GI_IDS; id++) {
+        const struct nvmlGpuInstance_st *gi = &g_gis[gpu][id];
+        const struct gi_profile *q = gi_profile_of(gi);
+        if (!gi->live)
+            continue;
+        count += gi->profile == index;
+        compute += q != NULL ? q->slices : 1;
+        ofa += q != NULL ? q->ofas : 0;
+    }
+    if (count >= p->instances || compute + p->slices > MOCK_COMPUTE_SLICES || ofa + p->ofas > max_ofa)
+        return NVML_ERROR_INSUFFICIENT_RESOURCES;
+    unsigned int taken = taken_slices(gpu), mask = (1u << p->memory_slices) - 1;
+    for (unsigned int s = 0; s < MOCK_MEMORY_SLICES; s++) {
+        if (!(p->starts & (1u << s)) || (start >= 0 && (unsigned int)start != s))
+            continue;
+        if (!(taken & (mask << s)) && !g_gis[gpu][gi_id_of(s, p->memory_slices)].live) {
+            *chosen = s;
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_INSUFFICIENT_RESOURCES;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device, unsigned int profile,
+                                                             nvmlGpuInstanceProfileInfo_t *info)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_mig_gpu(device, info);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (profile >= MOCK_GI_PROFILE_COUNT)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct gi_profile *p = &g_topo.profiles[device->index][profile];
+    if (!p->present)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *info = (nvmlGpuInstanceProfileInfo_t){p->id, 0, p->slices, p->instances, p->sms, p->copy_engines,
+                                           p->decoders, p->encoders, p->jpegs, p->ofas, p->memory_mb};
+    return NVML_SUCCESS;
+}
+
+/* The versioned form: info->version says v2 or v3, as the caller stamped it. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device, unsigned int profile,
+                                                              nvmlGpuInstanceProfileInfo_v2_t *info)
+{
+    nvmlGpuInstanceProfileInfo_t v1;
+    nvmlReturn_t ret = check_device(device, info);
+    if (ret != NVML_SUCCESS) {
+        COUNT_CALL();
+        return ret;
+    }
+    if (info->version != nvmlGpuInstanceProfileInfo_v2 && info->version != nvmlGpuInstanceProfileInfo_v3) {
+        COUNT_CALL();
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    }
+    /* One NVML call, not two: the v1 call below counts it. */
+    ret = nvmlDeviceGetGpuInstanceProfileInfo(device, profile, &v1);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    const struct gi_profile *p = &g_topo.profiles[device->index][profile];
+    if (info->version == nvmlGpuInstanceProfileInfo_v2) {
+        unsigned int version = info->version;
+        memset(info, 0, sizeof *info);
+        *info = (nvmlGpuInstanceProfileInfo_v2_t){version, v1.id, 0, v1.sliceCount, v1.instanceCount,
+                                                  v1.multiprocessorCount, v1.copyEngineCount, v1.decoderCount,
+                                                  v1.encoderCount, v1.jpegCount, v1.ofaCount, v1.memorySizeMB, ""};
+        snprintf(info->name, sizeof info->name, "MIG %s", p->name);
+    } else {
+        nvmlGpuInstanceProfileInfo_v3_t *v3 = (nvmlGpuInstanceProfileInfo_v3_t *)(void *)info;
+        unsigned int version = v3->version;
+        memset(v3, 0, sizeof *v3);
+        *v3 = (nvmlGpuInstanceProfileInfo_v3_t){version, v1.id, v1.sliceCount, v1.instanceCount,
+                                                v1.multiprocessorCount, v1.copyEngineCount, v1.decoderCount,
+                                                v1.encoderCount, v1.jpegCount, v1.ofaCount, v1.memorySizeMB, "", 0};
+        snprintf(v3->name, sizeof v3->name, "MIG %s", p->name);
+    }
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstancePossiblePlacements_v2(nvmlDevice_t device, unsigned int profileId,
+                                                                       nvmlGpuInstancePlacement_t *placements,
+                                                                       unsigned int *count)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_mig_gpu(device, count);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    int index = profile_by_id(device->index, profileId);
+    if (index < 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct gi_profile *p = &g_topo.profiles[device->index][index];
+    /* Every legal placement, free or not (nvml.h); NULL placements asks for the count. */
+    unsigned int n = 0;
+    for (unsigned int s = 0; s < MOCK_MEMORY_SLICES; s++) {
+        if (!(p->starts & (1u << s)))
+            continue;
+        if (placements != NULL)
+            placements[n] = (nvmlGpuInstancePlacement_t){s, p->memory_slices};
+        n++;
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceRemainingCapacity(nvmlDevice_t device, unsigned int profileId,
+                                                                   unsigned int *count)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_mig_gpu(device, count);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    int index = profile_by_id(device->index, profileId);
+    if (index < 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&g_mig_lock);
+    refresh_state(0);
+    /* How many more fit: place them one by one on a scratch copy of the GPU's GIs. */
+    struct nvmlGpuInstance_st saved[MOCK_GI_IDS];
+    memcpy(saved, g_gis[device->index], sizeof saved);
+    unsigned int n = 0, start;
+    while (find_gi_placement(device->index, index, -1, &start) == NVML_SUCCESS) {
+        unsigned int size = g_topo.profiles[device->index][index].memory_slices;
+        g_gis[device->index][gi_id_of(start, size)] =
+            (struct nvmlGpuInstance_st){1, device->index, gi_id_of(start, size), index, start, size, 0};
+        n++;
+    }
+    memcpy(g_gis[device->index], saved, sizeof saved);
+    pthread_mutex_unlock(&g_mig_lock);
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+/* Holds the host-wide change lock and re-reads the state; changes need root
+ * like the real driver's (the mig/config capability is root's). */
+static nvmlReturn_t begin_change(int *lock_fd)
+{
+    if (geteuid() != 0)
+        return NVML_ERROR_NO_PERMISSION;
+    ensure_paths();
+    int fd = g_state_lock_path[0] ? open(g_state_lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644) : -1;
+    if (fd < 0)
+        return NVML_ERROR_UNKNOWN;
+    while (flock(fd, LOCK_EX) != 0) {
+        if (errno != EINTR) {
+            close(fd);
+            return NVML_ERROR_UNKNOWN;
+        }
+    }
+    pthread_mutex_lock(&g_mig_lock);
+    refresh_state(1);
+    *lock_fd = fd;
+    return NVML_SUCCESS;
+}
+
+static void end_change(int lock_fd)
+{
+    index_migdevs();
+    pthread_mutex_unlock(&g_mig_lock);
+    close(lock_fd); /* releases the flock */
+}
+
+static nvmlReturn_t create_gi(nvmlDevice_t device, unsigned int profileId, int start,
+                              nvmlGpuInstance_t *gpuInstance)
+{
+    int lock_fd;
+    nvmlReturn_t ret = check_mig_gpu(device, gpuInstance);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    int index = profile_by_id(device->index, profileId);
+    if (index < 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct gi_profile *p = &g_topo.profiles[device->index][index];
+    if (start >= 0 && !(p->starts & (1u << start)))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    ret = begin_change(&lock_fd);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    unsigned int chosen;
+    ret = find_gi_placement(device->index, index, start, &chosen);
+    if (ret == NVML_SUCCESS) {
+        unsigned int id = gi_id_of(chosen, p->memory_slices);
+        add_gi(device->index, id, index, chosen, p->memory_slices);
+        if (caps_create(device->minor, id, -1) != 0 || write_state() != 0) {
+            caps_remove(device->minor, id, -1);
+            g_gis[device->index][id].live = 0;
+            ret = NVML_ERROR_UNKNOWN;
+        } else {
+            *gpuInstance = &g_gis[device->index][id];
+        }
+    }
+    end_change(lock_fd);
+    return ret;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceCreateGpuInstance(nvmlDevice_t device, unsigned int profileId,
+                                                     nvmlGpuInstance_t *gpuInstance)
+{
+    COUNT_CALL();
+    return create_gi(device, profileId, -1, gpuInstance);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceCreateGpuInstanceWithPlacement(nvmlDevice_t device, unsigned int profileId,
+                                                                  const nvmlGpuInstancePlacement_t *placement,
+                                                                  nvmlGpuInstance_t *gpuInstance)
+{
+    COUNT_CALL();
+    if (placement == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (check_mig_gpu(device, gpuInstance) == NVML_SUCCESS) {
+        int index = profile_by_id(device->index, profileId);
+        if (index >= 0 && (placement->start >= MOCK_MEMORY_SLICES ||
+                           placement->size != g_topo.profiles[device->index][index].memory_slices))
+            return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    return create_gi(device, profileId, placement->start >= MOCK_MEMORY_SLICES ? MOCK_MEMORY_SLICES : (int)placement->start,
+                     gpuInstance);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlGpuInstanceDestroy(nvmlGpuInstance_t gpuInstance)
+{
+    int lock_fd;
+    COUNT_CALL();
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    nvmlReturn_t ret = begin_change(&lock_fd);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (!valid_gi(gpuInstance)) {
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        for (unsigned int ci = 0; ci < MOCK_CI_IDS; ci++)
+            if (g_cis[gpuInstance->gpu][gpuInstance->id][ci].live)
+                ret = NVML_ERROR_IN_USE;
+    }
+    if (ret == NVML_SUCCESS) {
+        gpuInstance->live = 0;
+        if (write_state() != 0) {
+            gpuInstance->live = 1;
+            ret = NVML_ERROR_UNKNOWN;
+        } else {
+            caps_remove(g_topo.devices[gpuInstance->gpu].minor, gpuInstance->id, -1);
+        }
+    }
+    end_change(lock_fd);
+    return ret;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstances(nvmlDevice_t device, unsigned int profileId,
+                                                   nvmlGpuInstance_t *gpuInstances, unsigned int *count)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_mig_gpu(device, count);
+    if (ret == NVML_SUCCESS && gpuInstances == NULL)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    int index = profile_by_id(device->index, profileId);
+    if (index < 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&g_mig_lock);
+    refresh_state(0);
+    unsigned int n = 0;
+    for (unsigned int id = 0; id < MOCK_GI_IDS; id++)
+        if (g_gis[device->index][id].live && g_gis[device->index][id].profile == index)
+            gpuInstances[n++] = &g_gis[device->index][id];
+    pthread_mutex_unlock(&g_mig_lock);
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id,
+                                                      nvmlGpuInstance_t *gpuInstance)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_mig_gpu(device, gpuInstance);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (id >= MOCK_GI_IDS)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&g_mig_lock);
+    refresh_state(0);
+    ret = g_gis[device->index][id].live ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
+    if (ret == NVML_SUCCESS)
+        *gpuInstance = &g_gis[device->index][id];
+    pthread_mutex_unlock(&g_mig_lock);
+    return ret;
+}
+
+/* Common prologue of calls on a GI handle: it must still exist. */
+static nvmlReturn_t check_gi(nvmlGpuInstance_t gi, const void *out)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (out == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&g_mig_lock);
+    refresh_state(0);
+    int ok = valid_gi(gi);
+    pthread_mutex_unlock(&g_mig_lock);
+    return ok ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance, nvmlGpuInstanceInfo_t *info)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_gi(gpuInstance, info);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    const struct gi_profile *p = gi_profile_of(gpuInstance);
+    *info = (nvmlGpuInstanceInfo_t){&g_topo.devices[gpuInstance->gpu], gpuInstance->id,
+                                    p != NULL ? p->id : 0xFFFFFFFFu, {gpuInstance->start, gpuInstance->size}};
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t ci_profile_info(nvmlGpuInstance_t gi, unsigned int profile, unsigned int engProfile,
+                                    nvmlComputeInstanceProfileInfo_t *info)
+{
+    nvmlReturn_t ret = check_gi(gi, info);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    /* NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED is the only engine profile. */
+    if (profile >= MOCK_CI_PROFILE_COUNT || engProfile != 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct gi_profile *p = gi_profile_of(gi);
+    if (p == NULL || !ci_profile_fits(profile, p->slices))
+        return NVML_ERROR_NOT_SUPPORTED;
+    unsigned int s = ci_profile_slices(profile);
+    *info = (nvmlComputeInstanceProfileInfo_t){profile, s, p->slices / s, p->sms / p->slices * s,
+                                               p->copy_engines, p->decoders, p->encoders, p->jpegs, p->ofas};
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(nvmlGpuInstance_t gpuInstance,
+                                                                       unsigned int profile, unsigned int engProfile,
+                                                                       nvmlComputeInstanceProfileInfo_t *info)
+{
+    COUNT_CALL();
+    return ci_profile_info(gpuInstance, profile, engProfile, info);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(nvmlGpuInstance_t gpuInstance,
+                                                                        unsigned int profile, unsigned int engProfile,
+                                                                        nvmlComputeInstanceProfileInfo_v2_t *info)
+{
+    nvmlComputeInstanceProfileInfo_t v1;
+    char name[MOCK_PROFILE_NAME_SIZE + 8];
+    COUNT_CALL();
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlComputeInstanceProfileInfo_v2 && info->version != nvmlComputeInstanceProfileInfo_v3)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    nvmlReturn_t ret = ci_profile_info(gpuInstance, profile, engProfile, &v1);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    ci_name(gpuInstance, profile, name, sizeof name);
+    unsigned int version = info->version;
+    if (version == nvmlComputeInstanceProfileInfo_v2) {
+        memset(info, 0, sizeof *info);
+        *info = (nvmlComputeInstanceProfileInfo_v2_t){version, v1.id, v1.sliceCount, v1.instanceCount,
+                                                      v1.multiprocessorCount, v1.sharedCopyEngineCount,
+                                                      v1.sharedDecoderCount, v1.sharedEncoderCount,
+                                                      v1.sharedJpegCount, v1.sharedOfaCount, ""};
+        snprintf(info->name, sizeof info->name, "MIG %s", name);
+    } else {
+        nvmlComputeInstanceProfileInfo_v3_t *v3 = (nvmlComputeInstanceProfileInfo_v3_t *)(void *)info;
+        memset(v3, 0, sizeof *v3);
+        *v3 = (nvmlComputeInstanceProfileInfo_v3_t){version, v1.id, v1.sliceCount, v1.instanceCount,
+                                                    v1.multiprocessorCount, v1.sharedCopyEngineCount,
+                                                    v1.sharedDecoderCount, v1.sharedEncoderCount,
+                                                    v1.sharedJpegCount, v1.sharedOfaCount, "", 0};
+        snprintf(v3->name, sizeof v3->name, "MIG %s", name);
+    }
+    return NVML_SUCCESS;
+}
+
+/* The lowest free start (in the GI's compute slices) for a CI of profile, or -1. */
+static int find_ci_start(const struct nvmlGpuInstance_st *gi, unsigned int profile)
+{
+    const struct gi_profile *p = gi_profile_of(gi);
+    unsigned int s = ci_profile_slices(profile), taken = 0;
+    for (unsigned int ci = 0; ci < MOCK_CI_IDS; ci++) {
+        const struct nvmlComputeInstance_st *c = &g_cis[gi->gpu][gi->id][ci];
+        if (c->live)
+            taken |= ((1u << c->size) - 1) << c->start;
+    }
+    for (unsigned int start = 0; p != NULL && start + s <= p->slices; start += s)
+        if (!(taken & (((1u << s) - 1) << start)))
+            return (int)start;
+    return -1;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceRemainingCapacity(nvmlGpuInstance_t gpuInstance,
+                                                                            unsigned int profileId,
+                                                                            unsigned int *count)
+{
+    nvmlComputeInstanceProfileInfo_t info;
+    COUNT_CALL();
+    nvmlReturn_t ret = ci_profile_info(gpuInstance, profileId, 0, &info);
+    if (ret != NVML_SUCCESS || count == NULL)
+        return ret != NVML_SUCCESS ? ret : NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&g_mig_lock);
+    unsigned int s = ci_profile_slices(profileId), taken = 0, n = 0;
+    for (unsigned int ci = 0; ci < MOCK_CI_IDS; ci++) {
+        const struct nvmlComputeInstance_st *c = &g_cis[gpuInstance->gpu][gpuInstance->id][ci];
+        if (c->live)
+            taken |= ((1u << c->size) - 1) << c->start;
+    }
+    for (unsigned int start = 0; start + s <= info.sliceCount * info.instanceCount; start += s)
+        n += !(taken & (((1u << s) - 1) << start));
+    pthread_mutex_unlock(&g_mig_lock);
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlGpuInstanceCreateComputeInstance(nvmlGpuInstance_t gpuInstance, unsigned int profileId,
+                                                              nvmlComputeInstance_t *computeInstance)
+{
+    nvmlComputeInstanceProfileInfo_t info;
+    int lock_fd;
+    COUNT_CALL();
+    if (computeInstance == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t ret = ci_profile_info(gpuInstance, profileId, 0, &info);
+    if (ret == NVML_ERROR_NOT_SUPPORTED)
+        ret = NVML_ERROR_INVALID_ARGUMENT; /* a CI profile this GI does not offer */
+    if (ret != NVML_SUCCESS)
+        return ret;
+    ret = begin_change(&lock_fd);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (!valid_gi(gpuInstance)) {
+        end_change(lock_fd);
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    int start = find_ci_start(gpuInstance, profileId);
+    unsigned int id = 0;
+    while (id < MOCK_CI_IDS && g_cis[gpuInstance->gpu][gpuInstance->id][id].live)
+        id++;
+    if (start < 0 || id >= MOCK_CI_IDS) {
+        ret = NVML_ERROR_INSUFFICIENT_RESOURCES;
+    } else {
+        add_ci(gpuInstance->gpu, gpuInstance->id, id, profileId, (unsigned int)start);
+        unsigned int minor = g_topo.devices[gpuInstance->gpu].minor;
+        if (caps_create(minor, gpuInstance->id, (int)id) != 0 || write_state() != 0) {
+            caps_remove(minor, gpuInstance->id, (int)id);
+            g_cis[gpuInstance->gpu][gpuInstance->id][id].live = 0;
+            ret = NVML_ERROR_UNKNOWN;
+        } else {
+            *computeInstance = &g_cis[gpuInstance->gpu][gpuInstance->id][id];
+        }
+    }
+    end_change(lock_fd);
+    return ret;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlComputeInstanceDestroy(nvmlComputeInstance_t computeInstance)
+{
+    int lock_fd;
+    COUNT_CALL();
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    nvmlReturn_t ret = begin_change(&lock_fd);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (!valid_ci(computeInstance)) {
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        computeInstance->live = 0;
+        if (write_state() != 0) {
+            computeInstance->live = 1;
+            ret = NVML_ERROR_UNKNOWN;
+        } else {
+            caps_remove(g_topo.devices[computeInstance->gpu].minor, computeInstance->gi, (int)computeInstance->id);
+        }
+    }
+    end_change(lock_fd);
+    return ret;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstances(nvmlGpuInstance_t gpuInstance, unsigned int profileId,
+                                                            nvmlComputeInstance_t *computeInstances,
+                                                            unsigned int *count)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_gi(gpuInstance, count);
+    if (ret == NVML_SUCCESS && (computeInstances == NULL || profileId >= MOCK_CI_PROFILE_COUNT))
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    pthread_mutex_lock(&g_mig_lock);
+    unsigned int n = 0;
+    for (unsigned int ci = 0; ci < MOCK_CI_IDS; ci++) {
+        struct nvmlComputeInstance_st *c = &g_cis[gpuInstance->gpu][gpuInstance->id][ci];
+        if (c->live && c->profile == profileId)
+            computeInstances[n++] = c;
+    }
+    pthread_mutex_unlock(&g_mig_lock);
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(nvmlGpuInstance_t gpuInstance, unsigned int id,
+                                                               nvmlComputeInstance_t *computeInstance)
+{
+    COUNT_CALL();
+    nvmlReturn_t ret = check_gi(gpuInstance, computeInstance);
+    if (ret == NVML_SUCCESS && id >= MOCK_CI_IDS)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret != NVML_SUCCESS)
+        return ret;
+    struct nvmlComputeInstance_st *c = &g_cis[gpuInstance->gpu][gpuInstance->id][id];
+    if (!c->live)
+        return NVML_ERROR_NOT_FOUND;
+    *computeInstance = c;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t ci_info(nvmlComputeInstance_t ci, nvmlComputeInstanceInfo_t *info)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&g_mig_lock);
+    refresh_state(0);
+    int ok = valid_ci(ci);
+    pthread_mutex_unlock(&g_mig_lock);
+    if (!ok)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *info = (nvmlComputeInstanceInfo_t){&g_topo.devices[ci->gpu], &g_gis[ci->gpu][ci->gi], ci->id, ci->profile,
+                                        {ci->start, ci->size}};
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t computeInstance,
+                                                       nvmlComputeInstanceInfo_t *info)
+{
+    COUNT_CALL();
+    return ci_info(computeInstance, info);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo(nvmlComputeInstance_t computeInstance,
+                                                    nvmlComputeInstanceInfo_t *info)
+{
+    COUNT_CALL();
+    return ci_info(computeInstance, info);
 }

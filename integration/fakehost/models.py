@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .mig import FakeMigDevice
+    from .mig import FakeMigDevice, MigProfile
 
 # NVML brand enum values (nvmlBrandType_t; pynvml.NVML_BRAND_*).  Kept here
 # rather than imported so that building a host does not need pynvml.
@@ -55,6 +55,7 @@ _MODELS = {
         GpuModel("NVIDIA H100 80GB HBM3", (9, 0), 81559, _DC, 0x2330, 0x16C1, True, "96.00.99.00.01"),
         GpuModel("NVIDIA H100 PCIe", (9, 0), 81559, _DC, 0x2331, 0x1626, True, "96.00.30.00.01"),
         GpuModel("NVIDIA A100-SXM4-80GB", (8, 0), 81920, _DC, 0x20B2, 0x1463, True, "92.00.45.00.03"),
+        GpuModel("NVIDIA H200", (9, 0), 143771, _DC, 0x2335, 0x18BE, True, "96.00.AF.00.01"),
         GpuModel("NVIDIA A100-SXM4-40GB", (8, 0), 40960, _DC, 0x20B0, 0x134F, True, "92.00.19.00.01"),
         GpuModel("NVIDIA A10G", (8, 6), 23028, _DC, 0x2237, 0x152F, False, "94.02.75.00.01"),
         GpuModel("NVIDIA L4", (8, 9), 23034, _DC, 0x27B8, 0x16CA, False, "95.04.29.00.06"),
@@ -183,6 +184,36 @@ def _mig_state(gpu: FakeGpu) -> str:
     return "disabled" if gpu.mig_capable else "none"
 
 
+def _mig_records(gpu: FakeGpu, driver: str, mig_devices: tuple[FakeMigDevice, ...]) -> list[str]:
+    """A MIG-capable GPU's profile table and, in MIG mode, its admin-made placements and MIG device UUIDs.
+
+    The mock NVML creates and destroys instances from these (mig.py's tables
+    are the one source), so it never computes a profile or a UUID itself.
+    """
+    from .mig import MAX_COMPUTE_INSTANCES, MAX_GPU_INSTANCES, MIG_PROFILES, mig_uuid
+
+    profiles: tuple[MigProfile, ...] = MIG_PROFILES.get(gpu.name, ())
+    lines = [
+        f"giprofile {gpu.index} {p.index} {p.profile_id} {p.slices} {p.memory_slices} {p.instances} {p.memory_mib}"
+        f" {p.sms} {p.copy_engines} {p.decoders} {p.encoders} {p.jpegs} {p.ofas}"
+        f" {','.join(map(str, p.starts))} {p.name}"
+        for p in profiles
+    ]
+    if not gpu.mig_enabled or not profiles:
+        return lines
+    lines += [
+        f"migplacement {gpu.index} {mig.gi} {mig.profile_index} {mig.placement_start}"
+        for mig in mig_devices
+        if mig.parent_index == gpu.index and mig.placement_start >= 0
+    ]
+    lines += [
+        f"miguuid {gpu.index} {gi} {ci} {mig_uuid(driver, gpu.index, gi, ci)}"
+        for gi in range(MAX_GPU_INSTANCES)
+        for ci in range(MAX_COMPUTE_INSTANCES)
+    ]
+    return lines
+
+
 def render_topology(
     driver: str, cuda: str, gpus: tuple[FakeGpu, ...], mig_devices: tuple[FakeMigDevice, ...] = ()
 ) -> str:
@@ -210,4 +241,5 @@ def render_topology(
             for mig in mig_devices
             if mig.parent_index == gpu.index
         ]
+        lines += _mig_records(gpu, driver, mig_devices)
     return "\n".join(lines) + "\n"

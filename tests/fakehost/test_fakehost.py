@@ -902,6 +902,7 @@ def test_mig_profiles_per_model() -> None:
         "NVIDIA H100 PCIe": h100,
         "NVIDIA A100-SXM4-80GB": h100,
         "NVIDIA A100-SXM4-40GB": ["1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"],
+        "NVIDIA H200": ["1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
     }
     capable = {name for name in models.KNOWN_MODELS if models.lookup_model(name).mig_capable}
     assert capable == set(mig.MIG_PROFILES)
