@@ -29,8 +29,23 @@ class Change:
     mode: int = 0o644
 
 
-def docker_daemon_json(current: str | None, runtime: str) -> str:
-    """daemon.json with a ``gpuhook`` runtime entry added (other settings kept as they are)."""
+#: The runtime name gpuhook registers by default; ``--name nvidia`` keeps NVIDIA users' ``--runtime nvidia``,
+#: compose files' ``runtime: nvidia`` and RuntimeClass ``nvidia`` working.
+DEFAULT_NAME: Final = "gpuhook"
+_NAME_RE: Final = re.compile(r"[a-z][a-z0-9_-]{0,62}")
+
+
+def check_name(name: str) -> str:
+    """A runtime name docker, containerd and Kubernetes all accept (refused otherwise, naming it)."""
+    if not _NAME_RE.fullmatch(name):
+        raise ConfigError(f"--name {name!r}: expected a runtime name of lower-case letters, digits, '-' and '_' "
+                          "(such as gpuhook or nvidia)")
+    return name
+
+
+def docker_daemon_json(current: str | None, runtime: str, *, name: str = DEFAULT_NAME, default: bool = False) -> str:
+    """daemon.json with a *name* runtime entry added (other settings kept as they are); *default*: it
+    becomes ``default-runtime``, so every container runs through it (NVIDIA's ``--set-as-default``)."""
     try:
         data: Any = json.loads(current) if current and current.strip() else {}
     except ValueError as err:
@@ -40,7 +55,9 @@ def docker_daemon_json(current: str | None, runtime: str) -> str:
     runtimes = data.setdefault("runtimes", {})
     if not isinstance(runtimes, dict):
         raise ConfigError('/etc/docker/daemon.json: "runtimes" must be an object')
-    runtimes["gpuhook"] = {"path": runtime}
+    runtimes[name] = {"path": runtime}
+    if default:
+        data["default-runtime"] = name
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
@@ -88,16 +105,19 @@ def containerd_config(current: str | None) -> str:
     return updated
 
 
-def containerd_dropin(runtime: str) -> str:
-    """A containerd 1.6+ config drop-in registering a ``gpuhook`` CRI runtime handler (runc wrapper)."""
+def containerd_dropin(runtime: str, *, name: str = DEFAULT_NAME, default: bool = False) -> str:
+    """A containerd 1.6+ config drop-in registering a *name* CRI runtime handler (runc wrapper); *default*:
+    it becomes the CRI plugin's ``default_runtime_name``."""
+    cri = '[plugins."io.containerd.grpc.v1.cri".containerd'
     return (
-        '# Written by `gpuhook install --runtime containerd`: a CRI runtime handler "gpuhook" whose\n'
+        f'# Written by `gpuhook install --runtime containerd`: a CRI runtime handler "{name}" whose\n'
         "# shim runs gpuhook-runtime (a runc wrapper that puts the requested GPUs into the spec).\n"
         '# /etc/containerd/config.toml imports it: imports = ["/etc/containerd/conf.d/*.toml"]\n'
         "version = 2\n\n"
-        '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.gpuhook]\n'
+        + (f'{cri}]\n  default_runtime_name = "{name}"\n\n' if default else "")
+        + f'{cri}.runtimes.{name}]\n'
         '  runtime_type = "io.containerd.runc.v2"\n'
-        '  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.gpuhook.options]\n'
+        f'  {cri}.runtimes.{name}.options]\n'
         f'    BinaryName = "{runtime}"\n'
     )
 
@@ -145,7 +165,7 @@ def launcher_script(python: str) -> str:
 
 
 def changes(engine: str, *, bin_dir: str, current: dict[str, str | None], python: str = "",
-            relay: bool = False) -> tuple[Change, ...]:
+            relay: bool = False, name: str = DEFAULT_NAME, default: bool = False) -> tuple[Change, ...]:
     """Everything *engine* needs, given the current text of the files involved (by path).
 
     *relay*: gpuhook-relay is installed in *bin_dir*, and under NVIDIA's hook name in the libexec
@@ -161,7 +181,7 @@ def changes(engine: str, *, bin_dir: str, current: dict[str, str | None], python
     if engine == "docker":
         path = "/etc/docker/daemon.json"
         return (
-            Change(path=path, content=docker_daemon_json(current.get(path), runtime),
+            Change(path=path, content=docker_daemon_json(current.get(path), runtime, name=name, default=default),
                    restart="dockerd (systemctl restart docker)"),
             # `docker run --gpus` looks the NVIDIA hook name up on dockerd's PATH at start-up.
             Change(path="/usr/local/bin/nvidia-container-runtime-hook", link_to=nvidia_hook,
@@ -169,13 +189,16 @@ def changes(engine: str, *, bin_dir: str, current: dict[str, str | None], python
         )
     if engine == "containerd":
         return (
-            Change(path=CONTAINERD_DROPIN, content=containerd_dropin(runtime),
+            Change(path=CONTAINERD_DROPIN, content=containerd_dropin(runtime, name=name, default=default),
                    restart="containerd (systemctl restart containerd)"),
             Change(path=CONTAINERD_CONFIG, content=containerd_config(current.get(CONTAINERD_CONFIG)),
                    restart="containerd (systemctl restart containerd)"),
             # `ctr run --gpus` runs nvidia-container-cli from ctr's PATH.
             Change(path="/usr/local/bin/nvidia-container-cli", link_to=f"{bin_dir}/nvidia-container-cli"),
         )
+    if engine in ("podman", "crio") and (name != DEFAULT_NAME or default):
+        raise ConfigError(f"--name and --set-as-default name a runtime for docker and containerd; {engine} runs "
+                          "gpuhook through its hooks.d files for every container, under no runtime name")
     if engine == "podman":
         return (*hook_launcher, *hooks_d_changes(PODMAN_HOOKS_D, launcher))
     if engine == "crio":

@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     install.add_argument("--dry-run", action="store_true", help="print the changes (a diff) and change nothing")
     install.add_argument("--root", default="/", help="the host's root (a mounted host filesystem, in an installer)")
     install.add_argument("--bin-dir", help="where gpuhook's executables are (default: this interpreter's bin dir)")
+    install.add_argument("--name", default="gpuhook",
+                         help="docker/containerd: the runtime's name (default gpuhook; nvidia keeps --runtime nvidia)")
+    install.add_argument("--set-as-default", action="store_true",
+                         help="docker/containerd: make it the default runtime, for every container")
     return parser
 
 
@@ -178,7 +182,7 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
 
             bin_dir = Path(args.bin_dir) if args.bin_dir else Path(sys.executable).parent
             return run_install(args.runtime, dry_run=args.dry_run, root=Path(args.root), bin_dir=bin_dir,
-                               python=sys.executable)
+                               python=sys.executable, name=args.name, default=args.set_as_default)
         case "status":
             from gpuhook.cli import status
 

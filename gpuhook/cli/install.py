@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from gpuhook.install import Change, changes
+from gpuhook.install import DEFAULT_NAME, Change, changes, check_name
 from gpuhook.sys import files
 
 
@@ -26,13 +26,15 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def run_install(engine: str, *, dry_run: bool, root: Path, bin_dir: Path, python: str = "") -> int:
+def run_install(engine: str, *, dry_run: bool, root: Path, bin_dir: Path, python: str = "",
+                name: str = DEFAULT_NAME, default: bool = False) -> int:
     """Print (and unless --dry-run, make) the changes; say what to restart."""
     paths = ("/etc/docker/daemon.json", "/etc/containerd/config.toml")
     current = {p: _read(_target(root, p)) for p in paths}
     relays = (bin_dir / "gpuhook-relay", bin_dir.parent / "libexec" / "nvidia-container-runtime-hook")
     relay = all(path.is_file() for path in relays)  # the packages' layout (integration/relay.py makes it too)
-    wanted = changes(engine, bin_dir=str(bin_dir), current=current, python=python, relay=relay)
+    wanted = changes(engine, bin_dir=str(bin_dir), current=current, python=python, relay=relay,
+                     name=check_name(name), default=default)
     todo = [c for c in wanted if _differs(root, c)]
     if not todo:
         print(f"gpuhook is already registered with {engine}; nothing to change")

@@ -22,6 +22,8 @@ from integration.rootfs import build_rootfs
 REPO = Path(__file__).parents[2]
 IMAGE: Final = "gpuhook-busybox:test"
 RUNTIME: Final = "gpuhook"
+#: The same wrapper under NVIDIA's name, as `gpuhook install --runtime docker --name nvidia` registers it.
+NVIDIA_RUNTIME: Final = "nvidia"
 # The console script of the interpreter running the tests (the venv gpuhook is installed in).
 RUNTIME_SCRIPT: Final = Path(sys.executable).with_name("gpuhook-runtime")
 
@@ -93,7 +95,8 @@ def docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, relay: Path
     try:
         write_hook_wrapper(base / "bin", config, calls, nvidia_relay, daemon_socket=gpuhookd.socket)
         daemon = start_dockerd(base / "dockerd", path_dirs=[base / "bin"],
-                               env={"GPUHOOK_CONFIG": str(config)}, runtimes={RUNTIME: RUNTIME_SCRIPT})
+                               env={"GPUHOOK_CONFIG": str(config)},
+                               runtimes={RUNTIME: RUNTIME_SCRIPT, NVIDIA_RUNTIME: RUNTIME_SCRIPT})
         try:
             import_image(daemon, rootfs, IMAGE)
             yield Docker(daemon, IMAGE, calls, host.root / "gpuhook.log", config, state_dir)

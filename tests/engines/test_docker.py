@@ -11,12 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpuhook.provision import ledger_store
 from integration.daemons import SYSTEM_PATH, docker_run
 from integration.daemons import docker as docker_cmd
 from integration.engines import unique_id
 
-from .conftest import RUNTIME, Docker
+from .conftest import NVIDIA_RUNTIME, RUNTIME, Docker
 
 
 def log_size(log: Path) -> int:
@@ -103,11 +105,12 @@ def test_runtime_wrapper_injects_the_requested_gpu(docker: Docker) -> None:
     assert docker.calls()[before:] == []  # the runtime adds its own hook; dockerd's --gpus hook is not used
 
 
-def test_runtime_wrapper_refusal_shows_gpuhooks_message(docker: Docker) -> None:
-    """--runtime gpuhook with -e NVIDIA_VISIBLE_DEVICES=9: containerd's shim reads the runtime's reason from
-    its --log (log.json, runc's contract), so docker's error is gpuhook's line, not "unable to retrieve OCI
-    runtime error"."""
-    result = docker_run(docker.daemon, [*RUN, "--runtime", RUNTIME, "-e", "NVIDIA_VISIBLE_DEVICES=9", docker.image,
+@pytest.mark.parametrize("runtime", [RUNTIME, NVIDIA_RUNTIME])
+def test_runtime_wrapper_refusal_shows_gpuhooks_message(docker: Docker, runtime: str) -> None:
+    """--runtime gpuhook (or nvidia, the name `install --name nvidia` gives it) with -e NVIDIA_VISIBLE_DEVICES=9:
+    containerd's shim reads the runtime's reason from its --log (log.json, runc's contract), so docker's error
+    is gpuhook's line, not "unable to retrieve OCI runtime error"."""
+    result = docker_run(docker.daemon, [*RUN, "--runtime", runtime, "-e", "NVIDIA_VISIBLE_DEVICES=9", docker.image,
                                         "/bin/sh", "-c", "echo started"])
     assert result.returncode != 0
     assert "started" not in result.stdout

@@ -294,3 +294,40 @@ def test_runtime_log_line_is_what_the_shim_parses(tmp_path: Path) -> None:
     entry = json.loads(first)
     assert entry["level"] == "error" and entry["msg"] == 'gpuhook: no GPU with index 9 "x"' and entry["time"]
     assert second.endswith('level=error msg="gpuhook: second"')
+
+
+def test_docker_under_nvidias_name_as_the_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`install --runtime docker --name nvidia --set-as-default`: daemon.json's runtimes.nvidia is gpuhook's
+    wrapper and the default runtime (so `--runtime nvidia` and compose's `runtime: nvidia` keep working);
+    an admin's other settings stay; twice: nothing to change."""
+    daemon_json = tmp_path / "etc/docker/daemon.json"
+    daemon_json.parent.mkdir(parents=True)
+    daemon_json.write_text('{"log-driver": "journald"}')
+    run_install("docker", dry_run=False, root=tmp_path, bin_dir=Path(BIN), name="nvidia", default=True)
+    data = json.loads(daemon_json.read_text())
+    assert data == {"log-driver": "journald", "default-runtime": "nvidia",
+                    "runtimes": {"nvidia": {"path": f"{BIN}/gpuhook-runtime"}}}
+    capsys.readouterr()
+    run_install("docker", dry_run=False, root=tmp_path, bin_dir=Path(BIN), name="nvidia", default=True)
+    assert "nothing to change" in capsys.readouterr().out
+
+
+def test_containerd_under_another_name_as_the_default() -> None:
+    """The containerd drop-in names the handler and, with --set-as-default, the CRI default_runtime_name."""
+    dropin = next(c for c in changes("containerd", bin_dir=BIN, current={}, name="nvidia", default=True)
+                  if c.path.endswith("conf.d/gpuhook.toml"))
+    assert dropin.content is not None
+    cri = tomllib.loads(dropin.content)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+    assert cri["default_runtime_name"] == "nvidia"
+    assert cri["runtimes"]["nvidia"]["options"]["BinaryName"] == f"{BIN}/gpuhook-runtime"
+
+
+@pytest.mark.parametrize(("engine", "name", "default", "match"), [
+    pytest.param("docker", "Nvidia!", False, "expected a runtime name", id="bad-name"),
+    pytest.param("podman", "nvidia", False, "hooks.d files", id="podman-has-no-runtime-name"),
+    pytest.param("crio", "gpuhook", True, "hooks.d files", id="crio-has-no-default-runtime"),
+])
+def test_runtime_names_are_checked(engine: str, name: str, default: bool, match: str, tmp_path: Path) -> None:
+    """A name an engine would refuse, and --name/--set-as-default where there is no runtime, are refused."""
+    with pytest.raises(ConfigError, match=match):
+        run_install(engine, dry_run=True, root=tmp_path, bin_dir=Path(BIN), name=name, default=default)
