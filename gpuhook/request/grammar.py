@@ -174,6 +174,12 @@ def decode_devices(raw: str, *, source: str) -> DeviceList | None:
         match token:
             case GpuIndex() | GpuUuid() | MigUuid() | MigIndex():
                 ids.append(token)
+            case CdiName(text) if text.startswith("mig="):
+                raise RequestError(
+                    f"{source}={raw!r}: {text!r} asks for a MIG instance to be made, which this gpuhook does not "
+                    f"do yet. Fix: make it with `nvidia-smi mig -i GPU -cgi {text[4:].partition('#')[0]} -C` and "
+                    "ask for it by MIG UUID (nvidia-smi -L) or GPU:MIG index (0:1)"
+                )
             case CdiName():
                 raise RequestError(
                     f"{source}={raw!r}: {token.text!r} is a CDI device name; gpuhook's hook takes indices or UUIDs. "

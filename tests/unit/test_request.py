@@ -461,3 +461,12 @@ def test_count_reaches_the_request_with_no_devices() -> None:
     listed_request = request({"NVIDIA_VISIBLE_DEVICES": "0,1"})
     assert listed_request is not None and listed_request.count is None
 
+
+
+def test_a_mig_profile_token_is_not_called_a_cdi_name() -> None:
+    """`0,mig=3g.20gb#instance1` (the guides' docker form) is refused for what it is, with the way to make the
+    instance by hand; it is not called a CDI device name."""
+    with pytest.raises(RequestError, match=r"asks for a MIG instance to be made") as refused:
+        decode_devices("0,mig=3g.20gb#instance1", source="NVIDIA_VISIBLE_DEVICES")
+    assert "nvidia-smi mig -i GPU -cgi 3g.20gb -C" in str(refused.value)
+    assert "CDI" not in str(refused.value)
