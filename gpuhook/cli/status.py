@@ -45,9 +45,8 @@ def status_object(report: service.HostStatus) -> dict[str, Any]:
     gpus = []
     for gpu in inventory.gpus:
         policy = report.policies[gpu.index]
-        migs = {m.uuid.casefold(): m for m in inventory.mig_devices if m.parent_index == gpu.index}
-        holders = [_holder(lease, gpu, migs) for lease in ledger.leases
-                   if any(d.casefold() in migs or d.casefold() == gpu.uuid.casefold() for d in lease.devices)]
+        migs = {m.uuid.casefold() for m in inventory.mig_devices if m.parent_index == gpu.index}
+        holders = [_holder(lease, gpu, migs) for lease in ledger.holding(gpu.uuid, *migs)]
         gpus.append({
             "index": gpu.index, "uuid": gpu.uuid, "model": gpu.model, "pci_bus_id": gpu.pci_bus_id,
             "sharing": policy.sharing.value, "replicas": policy.replicas,
@@ -57,7 +56,7 @@ def status_object(report: service.HostStatus) -> dict[str, Any]:
     return {"gpus": gpus}
 
 
-def _holder(lease: Lease, gpu: Gpu, migs: Mapping[str, Any]) -> dict[str, Any]:
+def _holder(lease: Lease, gpu: Gpu, migs: set[str]) -> dict[str, Any]:
     mig = [d for d in lease.devices if d.casefold() in migs]
     return {"container_id": lease.container_id, "pid": lease.holder.pid, "since": lease.since,
             "state": lease.state.value, "whole_gpu": any(d.casefold() == gpu.uuid.casefold() for d in lease.devices),

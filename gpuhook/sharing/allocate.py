@@ -115,14 +115,12 @@ class _Room:
 
     def gpu_holders(self, gpu: Gpu) -> tuple[Lease, ...]:
         """Who holds *gpu* whole or one of its MIG devices."""
-        units = {gpu.uuid.casefold()} | {m.uuid.casefold() for m in self.inventory.mig_devices
-                                         if m.parent_index == gpu.index}
-        return tuple(lease for lease in self.ledger.leases if any(d.casefold() in units for d in lease.devices))
+        return self.ledger.holding(gpu.uuid, *(m.uuid for m in self.inventory.mig_devices
+                                               if m.parent_index == gpu.index))
 
     def mig_holders(self, mig: MigDevice, parent: Gpu) -> tuple[Lease, ...]:
         """Who holds *mig*, or its parent whole."""
-        units = {mig.uuid.casefold(), parent.uuid.casefold()}
-        return tuple(lease for lease in self.ledger.leases if any(d.casefold() in units for d in lease.devices))
+        return self.ledger.holding(mig.uuid, parent.uuid)
 
     def gpu_has_room(self, gpu: Gpu) -> bool:
         limit = self.policies[gpu.index].limit

@@ -83,10 +83,10 @@ class Ledger:
         """*container_id*'s lease, if it holds one."""
         return next((lease for lease in self.leases if lease.container_id == container_id), None)
 
-    def holding(self, device: str) -> tuple[Lease, ...]:
-        """The leases that hold *device* (a GPU or MIG UUID; matched case-insensitively)."""
-        wanted = device.casefold()
-        return tuple(lease for lease in self.leases if any(d.casefold() == wanted for d in lease.devices))
+    def holding(self, *devices: str) -> tuple[Lease, ...]:
+        """The leases that hold any of *devices* (GPU or MIG UUIDs; matched case-insensitively)."""
+        wanted = {device.casefold() for device in devices}
+        return tuple(lease for lease in self.leases if any(d.casefold() in wanted for d in lease.devices))
 
     def reserve(self, lease: Lease) -> Ledger:
         """With *lease* added, replacing an earlier lease of the same container (a second start stage; gone

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -9,6 +10,7 @@ import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from . import mig as migs
 from . import native, texts
@@ -85,6 +87,14 @@ class FakeHost:
     #: GPU index → problems: "retired-pages", "row-remap-pending", "row-remap-failure" (NVML) and
     #: "xid:<n>" (an NVRM Xid line in dev/kmsg, as the kernel log shows it)
     unhealthy: tuple[tuple[int, tuple[str, ...]], ...] = ()
+
+    def write_config(self, path: Path, *, state_dir: Path, gpus: Sequence[Mapping[str, Any]] = ()) -> Path:
+        """This host's gpuhook config at *path* with a lease ledger of its own in *state_dir* and the
+        per-GPU sharing policy *gpus* (a ``gpus:`` list; none: every GPU unlimited)."""
+        kept = [line for line in self.config_path.read_text().splitlines() if not line.startswith("state_dir:")]
+        policy = [f"gpus: {json.dumps([dict(entry) for entry in gpus])}"] if gpus else []  # JSON is YAML too
+        path.write_text("\n".join([*kept, f"state_dir: {json.dumps(str(state_dir))}", *policy]) + "\n")
+        return path
 
     @property
     def mig_enabled(self) -> bool:

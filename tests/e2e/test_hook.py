@@ -188,11 +188,8 @@ def test_plan_shows_which_gpus_count_would_take(host: FakeHost, tmp_path: Path) 
     from gpuhook.sys.procstat import start_ticks
 
     state = tmp_path / "state"
-    config = tmp_path / "gpuhook.yaml"
-    text = host.config_path.read_text()
-    state_line = next(line for line in text.splitlines() if line.startswith("state_dir:"))
-    policy = "gpus:\n  - device: all\n    sharing: exclusive\n"
-    config.write_text(text.replace(state_line, f"state_dir: {state}") + policy)
+    config = host.write_config(tmp_path / "gpuhook.yaml", state_dir=state,
+                               gpus=[{"device": "all", "sharing": "exclusive"}])
     me = Holder(pid=os.getpid(), start=start_ticks(os.getpid()) or 0)
     held = Lease(container_id="holder", devices=(host.gpus[0].uuid,), holder=me, since="2026-12-01T00:00:00Z")
     ledger_store.update(state, lambda ledger: (ledger.reserve(held), None))

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from integration.engines import default_spec, leftover_cgroups, require_tool, unique_id, write_bundle
 from integration.fakehost import FakeHost
@@ -86,12 +85,7 @@ class Site:
         self.host = host
         self.rootfs_src = rootfs_src
         self.state_dir = tmp / "state"
-        lines = [line for line in host.config_path.read_text().splitlines() if not line.startswith("state_dir:")]
-        text = "\n".join(lines) + f"\nstate_dir: {self.state_dir}\n"
-        if gpus:
-            text += yaml.safe_dump({"gpus": [dict(entry) for entry in gpus]})
-        self.config = tmp / "gpuhook.yaml"
-        self.config.write_text(text)
+        self.config = host.write_config(tmp / "gpuhook.yaml", state_dir=self.state_dir, gpus=gpus)
         self.runc = require_tool("runc")
         self.ids: list[str] = []
         self._count = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
@@ -66,14 +65,7 @@ def write_hook_wrapper(bindir: Path, config: Path, calls: Path, hook: Path, *, d
 
 # GPU 0 exclusive, the others unlimited (NVIDIA's behaviour): the tests that ask for one GPU, or `all`,
 # run one container at a time and see no difference; the lease tests hold GPU 0.
-POLICY: Final = 'gpus:\n  - device: "0"\n    sharing: exclusive\n  - device: all\n    sharing: unlimited\n'
-
-
-def write_config(host: FakeHost, path: Path, state_dir: Path) -> Path:
-    """*host*'s gpuhook.yaml at *path*, with its own *state_dir* and POLICY."""
-    kept = [line for line in host.config_path.read_text().splitlines() if not line.startswith("state_dir:")]
-    path.write_text("\n".join([*kept, f"state_dir: {json.dumps(str(state_dir))}", POLICY]))
-    return path
+POLICY: Final = ({"device": "0", "sharing": "exclusive"}, {"device": "all", "sharing": "unlimited"})
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +81,7 @@ def docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, relay: Path
     base = tmp_path_factory.mktemp("docker")
     calls = base / "hook-calls"
     state_dir = base / "state"
-    config = write_config(host, base / "gpuhook.yaml", state_dir)
+    config = host.write_config(base / "gpuhook.yaml", state_dir=state_dir, gpus=POLICY)
     nvidia_relay = relay_for(relay, "nvidia-container-runtime-hook")
     gpuhookd = Gpuhookd(sys.executable, base / "gpuhookd", config=config)
     try:

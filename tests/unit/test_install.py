@@ -256,11 +256,8 @@ def test_runtime_wrapper_leaves_the_lease_to_its_hook(request_: str, devices: se
     """Under a sharing policy the wrapper is not refused as a bare spec edit is: the prestart hook it
     registers takes the lease. An exclusive GPU asked by index gets its device in the spec; `any` is
     left whole to the hook (which GPU is decided at the start), with both hooks registered."""
-    config = tmp_path / "gpuhook.yaml"
-    state = tmp_path / "state"
-    config.write_text(host.config_path.read_text().replace(
-        next(line for line in host.config_path.read_text().splitlines() if line.startswith("state_dir:")),
-        f"state_dir: {state}") + "gpus:\n  - device: all\n    sharing: exclusive\n")
+    config = host.write_config(tmp_path / "gpuhook.yaml", state_dir=tmp_path / "state",
+                               gpus=[{"device": "all", "sharing": "exclusive"}])
     bundle = tmp_path / "bundle"
     (bundle / "rootfs").mkdir(parents=True)
     (bundle / "config.json").write_text(json.dumps({
