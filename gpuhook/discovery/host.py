@@ -37,7 +37,7 @@ class HostDiscoverer:
 
     def discover(self) -> Inventory:
         """Ask NVML and read the driver's files; raises DiscoveryError."""
-        from gpuhook.discovery.nvml import read_nvml
+        from gpuhook.nvml.facts import read_nvml
 
         driver = HostRoot(self.config.driver_root)
         machine = os.uname().machine  # not platform.machine(): importing platform costs ~2 ms per start

@@ -1,7 +1,7 @@
 """MIG instance management in the simulated host's mock NVML, through the real pynvml binding.
 
 Each scenario runs in its own interpreter that loads the host's libnvidia-ml
-by absolute path, as gpuhook/discovery/nvml.py does: the instances are the
+by absolute path, as gpuhook/nvml/facts.py does: the instances are the
 host's (integration/fakehost/mocknvml.c keeps them in etc/mock-nvml/mig-state),
 so what one process creates the next one sees.  Building a host needs root.
 """
@@ -140,7 +140,7 @@ def test_create_3g_is_seen_by_another_process(a100: FakeHost) -> None:
         assert (os.major(info.st_rdev), os.minor(info.st_rdev)) == (a100.caps_major, minor)
     # gpuhook's own discovery, in a fresh process, sees it the same way.
     discovered = subprocess.run(
-        [sys.executable, "-c", "import sys; from gpuhook.discovery.nvml import read_nvml; from pathlib import Path;"
+        [sys.executable, "-c", "import sys; from gpuhook.nvml.facts import read_nvml; from pathlib import Path;"
          "print([(m.uuid, m.gi, m.ci) for m in read_nvml(Path(sys.argv[1])).mig_devices])", str(a100.nvml_library)],
         capture_output=True, text=True, check=True, cwd=REPO,
     )

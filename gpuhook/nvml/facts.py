@@ -1,25 +1,19 @@
-"""NVML facts through pynvml: the only module that imports pynvml.
-
-The library is loaded from the driver root by absolute path (never through
-the dynamic loader's search, which could find a container's or a stale copy),
-and nvmlInit/nvmlShutdown are paired in one context manager.
-"""
+"""What NVML says about the driver and the GPUs, read once per driver identity (discovery caches it)."""
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pynvml
 
 from gpuhook.errors import DiscoveryError
 from gpuhook.inventory import Gpu, MigDevice
-
-T = TypeVar("T")
+from gpuhook.nvml.session import ABSENT as _ABSENT
+from gpuhook.nvml.session import call as _call
+from gpuhook.nvml.session import session as _session
+from gpuhook.nvml.session import text as _text
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,33 +24,6 @@ class NvmlFacts:
     cuda_version: str
     gpus: tuple[Gpu, ...]
     mig_devices: tuple[MigDevice, ...] = ()
-
-
-def _call(fn: Callable[..., T], *args: Any) -> T:
-    """Call a pynvml function, translating its errors once."""
-    try:
-        return fn(*args)
-    except pynvml.NVMLError as err:
-        raise DiscoveryError(f"NVML {fn.__name__} failed: {err}") from err
-
-
-def _text(value: str | bytes) -> str:
-    """pynvml returns bytes or str depending on its version."""
-    return value.decode() if isinstance(value, bytes) else value
-
-
-@contextmanager
-def _session(library: Path) -> Iterator[None]:
-    """Load *library*, nvmlInit, and always nvmlShutdown."""
-    try:
-        pynvml.nvmlLib = ctypes.CDLL(str(library))
-    except OSError as err:
-        raise DiscoveryError(f"cannot load NVML from {library}: {err}") from err
-    _call(pynvml.nvmlInit)
-    try:
-        yield
-    finally:
-        _call(pynvml.nvmlShutdown)
 
 
 def _brand_names() -> dict[int, str]:
@@ -105,10 +72,6 @@ def _read_nvml(library: Path) -> NvmlFacts:
             gpus=tuple(gpus),
             mig_devices=tuple(migs),
         )
-
-
-#: A GPU without the feature, or an older driver's NVML without the function: nothing to report.
-_ABSENT = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
 
 
 def _persistence(handle: Any) -> bool | None:
