@@ -37,6 +37,22 @@ def bus_key(pci_bus_id: str) -> str:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MigProfile:
+    """One GPU-instance profile of a GPU, as nvidia-smi mig -lgip lists it."""
+
+    #: "3g.20gb" (NVML's info.name without the leading "MIG ")
+    name: str
+    #: info.id: the id nvmlDeviceCreateGpuInstance takes
+    profile_id: int
+    #: info.sliceCount (compute slices)
+    slices: int
+    #: info.memorySizeMB
+    memory_mib: int
+    #: info.instanceCount: how many fit on an empty GPU
+    instances: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Gpu:
     """One physical GPU as NVML enumerates it."""
 
@@ -51,6 +67,14 @@ class Gpu:
     health: tuple[str, ...] = ()
     #: persistence mode, when NVML reports it (off: every NVML start pays the driver's initialisation)
     persistence: bool | None = None
+    #: MIG mode is enabled now (the current mode, not the pending one)
+    mig_enabled: bool = False
+    #: the GPU-instance profiles NVML lists for it, MIG mode on or off (empty: the GPU has no MIG)
+    mig_profiles: tuple[MigProfile, ...] = ()
+
+    def mig_profile(self, name: str) -> MigProfile | None:
+        """The GPU-instance profile called exactly *name* ("3g.20gb"), if this GPU has one."""
+        return next((p for p in self.mig_profiles if p.name == name), None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +88,8 @@ class MigDevice:
     gi: int
     ci: int
     name: str = ""
+    #: its GPU instance's profile name, "3g.20gb" ("" when NVML did not say)
+    profile: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, order=True)
@@ -142,7 +168,8 @@ class Inventory:
             "cuda_version": self.cuda_version,
             "gpus": [{"index": g.index, "uuid": g.uuid, "minor": g.minor, "pci_bus_id": g.pci_bus_id,
                       "model": g.model, "brand": g.brand, "arch": g.arch, "health": list(g.health),
-                      "persistence": g.persistence}
+                      "persistence": g.persistence, "mig_enabled": g.mig_enabled,
+                      "mig_profiles": [_profile_dict(p) for p in g.mig_profiles]}
                      for g in self.gpus],
             "gpu_nodes": [_device_dict(n) for n in self.gpu_nodes],
             "control_nodes": [_device_dict(n) for n in self.control_nodes],
@@ -153,7 +180,7 @@ class Inventory:
             "configs": [_file_dict(f) for f in self.configs],
             "libraries32": [_file_dict(f) for f in self.libraries32],
             "mig_devices": [{"parent_index": m.parent_index, "index": m.index, "uuid": m.uuid, "gi": m.gi,
-                             "ci": m.ci, "name": m.name} for m in self.mig_devices],
+                             "ci": m.ci, "name": m.name, "profile": m.profile} for m in self.mig_devices],
             "mig_layout": [[i.gpu_minor, i.gi, i.ci] for i in self.mig_layout],
             "mig_minors": [[name, minor] for name, minor in self.mig_minors],
             "proc_driver": None if proc is None else {
@@ -260,6 +287,12 @@ def _device_dict(node: HostDevice) -> dict[str, Any]:
     return {"name": node.name, "host_path": str(node.host_path), "major": node.major, "minor": node.minor}
 
 
+def _profile_dict(profile: MigProfile) -> dict[str, Any]:
+    """A MigProfile as JSON data."""
+    return {"name": profile.name, "profile_id": profile.profile_id, "slices": profile.slices,
+            "memory_mib": profile.memory_mib, "instances": profile.instances}
+
+
 def _file_dict(item: DriverFile) -> dict[str, Any]:
     """A DriverFile as JSON data."""
     return {"name": item.name, "host_path": str(item.host_path)}
@@ -307,7 +340,15 @@ def _gpu(data: Any) -> Gpu:
     return Gpu(index=_get(data, "index", int), uuid=_get(data, "uuid", str), minor=_get(data, "minor", int),
                pci_bus_id=_get(data, "pci_bus_id", str), model=_get(data, "model", str),
                brand=_get(data, "brand", str), arch=_get(data, "arch", str),
-               health=_items(data, "health", _str), persistence=_get(data, "persistence", (bool, type(None))))
+               health=_items(data, "health", _str), persistence=_get(data, "persistence", (bool, type(None))),
+               mig_enabled=_get(data, "mig_enabled", bool), mig_profiles=_items(data, "mig_profiles", _profile))
+
+
+def _profile(data: Any) -> MigProfile:
+    """A MigProfile entry."""
+    return MigProfile(name=_get(data, "name", str), profile_id=_get(data, "profile_id", int),
+                      slices=_get(data, "slices", int), memory_mib=_get(data, "memory_mib", int),
+                      instances=_get(data, "instances", int))
 
 
 def _device(data: Any) -> HostDevice:
@@ -325,7 +366,7 @@ def _mig(data: Any) -> MigDevice:
     """A MigDevice entry."""
     return MigDevice(parent_index=_get(data, "parent_index", int), index=_get(data, "index", int),
                      uuid=_get(data, "uuid", str), gi=_get(data, "gi", int), ci=_get(data, "ci", int),
-                     name=_get(data, "name", str))
+                     name=_get(data, "name", str), profile=_get(data, "profile", str))
 
 
 def _name_and_minor(value: Any) -> tuple[str, int]:

@@ -12,7 +12,7 @@ from typing import Any
 from gpuhook import service
 from gpuhook.cli.bundle import read_spec
 from gpuhook.errors import DiscoveryError
-from gpuhook.inventory import Inventory
+from gpuhook.inventory import Gpu, Inventory
 
 
 def run_plan(config_arg: str | None, debug: bool, bundle: str, env: Mapping[str, str]) -> int:
@@ -86,9 +86,23 @@ def _inventory_text(inv: Inventory, outcome: str) -> str:
             f"GPU UUID:       {gpu.uuid}",
             f"Bus Location:   {gpu.pci_bus_id}",
             f"Architecture:   {gpu.arch}",
+            *_mig_lines(inv, gpu),
             "",
         ]
     return "\n".join(lines)
+
+
+def _mig_lines(inv: Inventory, gpu: Gpu) -> list[str]:
+    """A MIG-capable GPU's MIG mode, its GPU-instance profiles and its MIG devices, one line each."""
+    if not gpu.mig_profiles and not gpu.mig_enabled:
+        return []
+    width = max((len(p.name) for p in gpu.mig_profiles), default=0)
+    lines = [f"MIG Mode:       {'Enabled' if gpu.mig_enabled else 'Disabled'}"]
+    lines += [f"MIG Profile:    {p.name:<{width}}  {p.memory_mib / 1024:5.1f} GiB  {p.instances} fit"
+              f"  (id {p.profile_id})" for p in gpu.mig_profiles]
+    lines += [f"MIG Device:     {m.parent_index}:{m.index}  {m.uuid}  {m.profile or 'profile unknown'}"
+              for m in inv.mig_devices if m.parent_index == gpu.index]
+    return lines
 
 
 def _print_json(data: Any) -> None:

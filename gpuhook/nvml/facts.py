@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pynvml
 
 from gpuhook.errors import DiscoveryError
-from gpuhook.inventory import Gpu, MigDevice
+from gpuhook.inventory import Gpu, MigDevice, MigProfile
 from gpuhook.nvml.session import ABSENT as _ABSENT
 from gpuhook.nvml.session import call as _call
 from gpuhook.nvml.session import session as _session
@@ -50,20 +51,25 @@ def _read_nvml(library: Path) -> NvmlFacts:
         brands = _brand_names()
         gpus = []
         migs: list[MigDevice] = []
+        profiles: dict[tuple[str, bool], tuple[MigProfile, ...]] = {}  # by (model, MIG mode): asked once
         for index in range(_call(pynvml.nvmlDeviceGetCount)):
             handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
-            migs += _mig_devices(index, handle)
+            model = _text(_call(pynvml.nvmlDeviceGetName, handle))
+            mig = _mig(index, handle, model, profiles)
+            migs += mig.devices
             major, minor = _call(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
             gpus.append(Gpu(
                 index=index,
                 uuid=_text(_call(pynvml.nvmlDeviceGetUUID, handle)),
                 minor=_call(pynvml.nvmlDeviceGetMinorNumber, handle),
                 pci_bus_id=_text(_call(pynvml.nvmlDeviceGetPciInfo, handle).busId),
-                model=_text(_call(pynvml.nvmlDeviceGetName, handle)),
+                model=model,
                 brand=brands.get(_call(pynvml.nvmlDeviceGetBrand, handle), "Unknown"),
                 arch=f"{major}.{minor}",
                 health=_health(handle),
                 persistence=_persistence(handle),
+                mig_enabled=mig.enabled,
+                mig_profiles=mig.profiles,
             ))
         return NvmlFacts(
             driver_version=_text(_call(pynvml.nvmlSystemGetDriverVersion)),
@@ -101,16 +107,72 @@ def _health(handle: Any) -> tuple[str, ...]:
     return tuple(problems)
 
 
-def _mig_devices(parent_index: int, handle: Any) -> list[MigDevice]:
-    """The MIG devices of one GPU, in NVML's enumeration order (none when MIG is off or unsupported)."""
+@dataclass(frozen=True, slots=True)
+class _Mig:
+    """What NVML says about one GPU's MIG: its mode, its GPU-instance profiles and its MIG devices."""
+
+    enabled: bool = False
+    profiles: tuple[MigProfile, ...] = ()
+    devices: tuple[MigDevice, ...] = ()
+
+
+#: Profile indices a GPU does not have (NVML_GPU_INSTANCE_PROFILE_6_SLICE on an A100, say): skipped.
+_NO_SUCH_PROFILE = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument, pynvml.NVMLError_NotFound)
+#: A MIG device's name ends in its profile: "NVIDIA A100-SXM4-40GB MIG 3g.20gb" (a compute instance smaller
+#: than its GPU instance: "... MIG 1c.3g.20gb").
+_MIG_NAME_PROFILE = re.compile(r" MIG (?:[0-9]+c\.)?(?P<profile>[0-9]+g\.\S+)$")
+
+
+def _mig(parent_index: int, handle: Any, model: str, known: dict[tuple[str, bool], tuple[MigProfile, ...]]) -> _Mig:
+    """One GPU's MIG facts (nothing for a GPU without MIG; profiles but no devices when MIG is off).
+
+    GPUs of one model in one MIG mode have one profile table: *known* keeps
+    those already read, so eight H100s cost one table's calls, not eight.
+    """
     try:
         current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
     except _ABSENT:
-        return []
+        return _Mig()
     except pynvml.NVMLError as err:
         raise DiscoveryError(f"NVML nvmlDeviceGetMigMode failed for GPU {parent_index}: {err}") from err
-    if current != pynvml.NVML_DEVICE_MIG_ENABLE:
-        return []
+    enabled = current == pynvml.NVML_DEVICE_MIG_ENABLE
+    if (model, enabled) not in known:
+        known[model, enabled] = _gi_profiles(parent_index, handle)
+    profiles = known[model, enabled]
+    if not enabled:
+        return _Mig(profiles=profiles)
+    return _Mig(enabled=True, profiles=profiles, devices=_mig_devices(parent_index, handle, profiles))
+
+
+def _gi_profiles(parent_index: int, handle: Any) -> tuple[MigProfile, ...]:
+    """The GPU-instance profiles of a MIG-capable GPU, in NVML's profile-index order (as nvidia-smi mig -lgip).
+
+    NVML answers with MIG mode off too (go-nvlib's VisitMigProfiles asks any
+    GPU whose MIG mode reads). The versioned call is the one with the name.
+    """
+    found = []
+    for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+        try:
+            info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, index)
+        except _NO_SUCH_PROFILE:
+            continue
+        except (pynvml.NVMLError_FunctionNotFound, pynvml.NVMLError_NoPermission):
+            return ()  # a driver older than the versioned call, or an unprivileged `gpuhook info`: not known
+        except pynvml.NVMLError as err:
+            raise DiscoveryError(
+                f"NVML nvmlDeviceGetGpuInstanceProfileInfo failed for GPU {parent_index}: {err}"
+            ) from err
+        name = _text(getattr(info, "name", b"")).removeprefix("MIG ")
+        if name:  # a profile without a name cannot be asked for
+            found.append(MigProfile(name=name, profile_id=info.id, slices=info.sliceCount,
+                                    memory_mib=info.memorySizeMB, instances=info.instanceCount))
+    return tuple(found)
+
+
+def _mig_devices(parent_index: int, handle: Any, profiles: tuple[MigProfile, ...]) -> tuple[MigDevice, ...]:
+    """The MIG devices of a GPU in MIG mode, in NVML's enumeration order."""
+    by_id = {p.profile_id: p.name for p in profiles}
+    gi_profiles: dict[int, str] = {}  # GI id -> profile name: the compute instances of one GI ask once
     found: list[MigDevice] = []
     for slot in range(_call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
         try:
@@ -121,9 +183,29 @@ def _mig_devices(parent_index: int, handle: Any) -> list[MigDevice]:
             raise DiscoveryError(
                 f"NVML nvmlDeviceGetMigDeviceHandleByIndex failed for GPU {parent_index}: {err}"
             ) from err
+        gi = _call(pynvml.nvmlDeviceGetGpuInstanceId, mig)
+        name = _text(_call(pynvml.nvmlDeviceGetName, mig))
+        if gi not in gi_profiles:
+            gi_profiles[gi] = _gi_profile_name(handle, gi, by_id) or _profile_from_name(name)
         found.append(MigDevice(
             parent_index=parent_index, index=len(found), uuid=_text(_call(pynvml.nvmlDeviceGetUUID, mig)),
-            gi=_call(pynvml.nvmlDeviceGetGpuInstanceId, mig), ci=_call(pynvml.nvmlDeviceGetComputeInstanceId, mig),
-            name=_text(_call(pynvml.nvmlDeviceGetName, mig)),
+            gi=gi, ci=_call(pynvml.nvmlDeviceGetComputeInstanceId, mig), name=name, profile=gi_profiles[gi],
         ))
-    return found
+    return tuple(found)
+
+
+def _gi_profile_name(handle: Any, gi: int, by_id: dict[int, str]) -> str:
+    """The profile name of GPU instance *gi*, as NVML says it ("" when it does not)."""
+    if not by_id:
+        return ""
+    try:
+        info = pynvml.nvmlGpuInstanceGetInfo(pynvml.nvmlDeviceGetGpuInstanceById(handle, gi))
+    except pynvml.NVMLError:
+        return ""  # the device's name still says it
+    return by_id.get(info.profileId, "")
+
+
+def _profile_from_name(name: str) -> str:
+    """The GPU-instance profile at the end of a MIG device's name, or ""."""
+    match = _MIG_NAME_PROFILE.search(name)
+    return match["profile"] if match else ""

@@ -70,8 +70,9 @@ def _find_mig(device: MigUuid | MigIndex, inventory: Inventory) -> MigDevice | N
 
 
 def _unknown_message(request: GpuRequest, device: DeviceId, inventory: Inventory) -> str:
-    """Name the value, list what exists, say the fix."""
+    """Name the value, list what exists, say the fix (for a MIG device: also what each MIG GPU can make)."""
     gpus = inventory.gpus
+    mig_ask = False
     match device:
         case GpuIndex(index):
             what = f"no GPU with index {index}"
@@ -79,10 +80,22 @@ def _unknown_message(request: GpuRequest, device: DeviceId, inventory: Inventory
             what = f"no GPU with UUID {uuid}"
         case _:
             what = f"no MIG device {device}"
+            mig_ask = True
     have = ", ".join(f"{g.index} ({g.uuid})" for g in gpus) or "none"
     count = f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''}"
-    migs = ", ".join(f"{m.parent_index}:{m.index} ({m.uuid})" for m in inventory.mig_devices) or "none"
+    migs = ", ".join(
+        f"{m.parent_index}:{m.index} ({m.uuid}{f', {m.profile}' if mig_ask and m.profile else ''})"
+        for m in inventory.mig_devices
+    ) or "none"
+    makers = [g for g in gpus if g.mig_enabled and g.mig_profiles] if mig_ask else []
+    can_make = "".join(
+        f"; GPU {g.index} can make: "
+        + ", ".join(f"{p.name} ({p.memory_mib / 1024:.1f} GiB, {p.instances} fit)" for p in g.mig_profiles)
+        for g in makers
+    )
+    if makers:
+        can_make += f"; ask for one with {makers[0].index},mig=PROFILE"
     return (
-        f"{request.source}={request.raw!r}: {what} on this host; it has {count}: {have}; MIG devices: {migs}. "
-        "Fix: request one of those by index or UUID, or 'all'"
+        f"{request.source}={request.raw!r}: {what} on this host; it has {count}: {have}; MIG devices: {migs}"
+        f"{can_make}. Fix: request one of those by index or UUID, or 'all'"
     )

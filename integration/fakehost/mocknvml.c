@@ -1733,6 +1733,18 @@ static nvmlReturn_t check_mig_gpu(nvmlDevice_t device, const void *out)
     return ret;
 }
 
+/* A GPU that has MIG, in MIG mode or not: profile info is answered either way
+ * (real NVML does: go-nvlib lists them on any GPU whose MIG mode reads). */
+static nvmlReturn_t check_mig_capable_gpu(nvmlDevice_t device, const void *out)
+{
+    nvmlReturn_t ret = check_device(device, out);
+    if (ret == NVML_SUCCESS && device->is_mig)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    if (ret == NVML_SUCCESS && device->mig_mode == MOCK_MIG_NONE)
+        ret = NVML_ERROR_NOT_SUPPORTED;
+    return ret;
+}
+
 /* A handle this library handed out for an instance that still exists. */
 static int valid_gi(nvmlGpuInstance_t gi)
 {
@@ -1807,7 +1819,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device
                                                              nvmlGpuInstanceProfileInfo_t *info)
 {
     COUNT_CALL();
-    nvmlReturn_t ret = check_mig_gpu(device, info);
+    nvmlReturn_t ret = check_mig_capable_gpu(device, info);
     if (ret != NVML_SUCCESS)
         return ret;
     if (profile >= MOCK_GI_PROFILE_COUNT)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +15,10 @@ import pytest
 from gpuhook.config import Config
 from gpuhook.discovery.host import HostDiscoverer
 from gpuhook.errors import DiscoveryError
-from integration.fakehost import FakeHost
+from gpuhook.inventory import Inventory
+from integration.fakehost import MIG_PROFILES, FakeHost, create_host
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _config(root: Path) -> Config:
@@ -67,3 +73,55 @@ def test_stale_uvm_node_is_refused(host: FakeHost, tmp_path: Path) -> None:
     config = replace(_config(host.root), dev_root=tmp_path)
     with pytest.raises(DiscoveryError, match="stale: recreate it"):
         HostDiscoverer(config).discover()
+
+
+A100_40 = "NVIDIA A100-SXM4-40GB"
+
+
+def _discover_apart(host: FakeHost) -> Inventory:
+    """*host*'s inventory, discovered in a fresh interpreter.
+
+    A process loads one libnvidia-ml: the dynamic loader hands a second
+    host's copy (same soname) the first one it loaded, so another host's NVML
+    must be asked from another process.
+    """
+    code = (
+        "import json, sys; from pathlib import Path; from gpuhook.config import Config; "
+        "from gpuhook.discovery.host import HostDiscoverer; root = Path(sys.argv[1]); "
+        "print(json.dumps(HostDiscoverer(Config(driver_root=root, dev_root=root, proc_root=root, "
+        "log_file=None)).discover().to_dict()))"
+    )
+    result = subprocess.run([sys.executable, "-I", "-c", code, str(host.root)], capture_output=True, text=True,
+                            check=False, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return Inventory.from_dict(json.loads(result.stdout))
+
+
+def test_mig_mode_and_gi_profiles(tmp_path: Path) -> None:
+    """A MIG-enabled A100 and a MIG-off one both list their model's GI profiles, names and ids as the table."""
+    host = create_host(tmp_path / "host", gpus=2, model=A100_40, mig={0: ()})
+    inv = _discover_apart(host)
+    assert [g.mig_enabled for g in inv.gpus] == [True, False]
+    want = {(p.name, p.profile_id, p.slices, p.memory_mib, p.instances) for p in MIG_PROFILES[A100_40]}
+    for gpu in inv.gpus:
+        assert {(p.name, p.profile_id, p.slices, p.memory_mib, p.instances) for p in gpu.mig_profiles} == want
+        assert len(gpu.mig_profiles) == len(want)
+    three = inv.gpus[0].mig_profile("3g.20gb")
+    assert three is not None and (three.profile_id, three.slices, three.instances) == (9, 3, 2)
+    assert inv.mig_devices == ()
+
+
+def test_mig_device_profile_of_an_admin_instance(tmp_path: Path) -> None:
+    """Admin-made instances get their GPU instance's profile name from NVML."""
+    host = create_host(tmp_path / "host", gpus=1, model=A100_40, mig={0: ("3g.20gb", "1g.5gb")})
+    inv = _discover_apart(host)
+    assert [(m.uuid, m.gi, m.profile) for m in inv.mig_devices] == [
+        (m.uuid, m.gi, m.profile) for m in host.mig_devices]
+    assert [m.profile for m in inv.mig_devices] == ["3g.20gb", "1g.5gb"]
+
+
+def test_gpu_without_mig_has_no_profiles(tmp_path: Path) -> None:
+    """A GPU without MIG support (Tesla T4) is MIG-off with no profiles."""
+    host = create_host(tmp_path / "host", gpus=1, model="Tesla T4")
+    (gpu,) = _discover_apart(host).gpus
+    assert (gpu.mig_enabled, gpu.mig_profiles, gpu.mig_profile("1g.5gb")) == (False, (), None)
