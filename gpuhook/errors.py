@@ -16,6 +16,7 @@ hook's stderr to the user)::
     ├── StateError               gpuhook's own state under state_dir (the lease ledger) is unusable
     ├── DiscoveryError           NVML, ld.so.cache, the host's driver files
     │   └── LdCacheFormatError   (also a ValueError) a corrupt ld.so.cache
+    ├── ProvisionError           a host-side change failed (a MIG instance made or destroyed)
     ├── ApplyError               a privileged step failed (names the step and path)
     └── DaemonError              gpuhookd took a request and gave no complete answer
 
@@ -93,6 +94,10 @@ class DiscoveryError(GpuHookError):
     """The host's driver could not be inventoried."""
 
 
+class ProvisionError(GpuHookError):
+    """A host-side change for a container (a MIG instance made or destroyed) failed."""
+
+
 class LdCacheFormatError(DiscoveryError, ValueError):
     """An ld.so.cache file is not in a format glibc writes."""
 
@@ -125,7 +130,7 @@ class DaemonError(GpuHookError):
 
 _KINDS = {cls.__name__: cls for cls in (
     GpuHookError, ConfigError, UsageError, UnsafeEnvironmentError, SpecError, RequestError, UnknownDeviceError,
-    PolicyError, BusyError, StateError, DiscoveryError, LdCacheFormatError, ApplyError, DaemonError,
+    PolicyError, BusyError, StateError, DiscoveryError, LdCacheFormatError, ProvisionError, ApplyError, DaemonError,
 )}
 
 

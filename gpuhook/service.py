@@ -33,7 +33,7 @@ from gpuhook.apply import ChildForkedAhead, ContainerRef, change_rootfs, grant_d
 from gpuhook.config import Config, HealthPolicy, load_config, resolve_config_path
 from gpuhook.discovery import Found, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
-from gpuhook.errors import GpuHookError, PolicyError, SpecError
+from gpuhook.errors import DiscoveryError, GpuHookError, PolicyError, SpecError
 from gpuhook.inventory import Inventory, LiveNeeds, narrow_to_live
 from gpuhook.provision import leases, ledger_store
 from gpuhook.log import configure_logging, get_logger
@@ -42,14 +42,16 @@ from gpuhook.oci.state import state_from_object
 from gpuhook.planning.paths import libs32_dir, libs_dir
 from gpuhook.planning.plan import Plan
 from gpuhook.planning.planner import Target, live_needs, make_plan, plan_devices
-from gpuhook.request.model import GpuRequest
+from gpuhook.request.model import GpuRequest, MigUuid
 from gpuhook.request.parse import parse_request
-from gpuhook.sharing.allocate import allocate
-from gpuhook.sharing.ledger import Holder, Lease, Ledger
+from gpuhook.sharing.allocate import Allocation, allocate
+from gpuhook.sharing.ledger import Holder, Lease, Ledger, MigRecord
 from gpuhook.sharing.policy import GpuPolicy
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from gpuhook.apply.ahead import ChildAhead
     from gpuhook.cdi import Rendered
 
@@ -126,7 +128,8 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
     log = get_logger()
     target = _target(container.rootfs, config, placement, runtime_devices)
     step = time.monotonic()
-    found = inventory_for(config, live_needs(request, target))
+    needs = live_needs(request, target)
+    found = inventory_for(config, needs, recorded=_recorded(config) if needs.mig else ())
     inventory = found.inventory
     log.info("host_discovered", driver=inventory.driver_version, gpus=len(inventory.gpus),
              cache=found.outcome.value, ms=_ms(step))
@@ -136,7 +139,12 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
     with opened_container(ref.pid) as pidfd, contextlib.ExitStack() as undo:
         # The undo stack: each effect's undo is pushed as soon as the effect exists; any failure
         # later unwinds them all, newest first (the rootfs child undoes its own changes itself).
-        request, holder = _reserve(config, request, found, target, container, pidfd, undo)
+        reserved = _reserve(config, request, found, target, container, pidfd, undo)
+        request, holder = reserved.request, reserved.holder
+        if reserved.made or live_needs(request, target) != live_needs(reserved.asked, target):
+            # instances were made, or the allocation named MIG devices: their nodes and layout are read now
+            found = inventory_for(config, live_needs(request, target), recorded=reserved.made)
+            inventory = found.inventory
         plan = make_plan(request, inventory, found.live, target)
         _log_plan(plan)
         step = time.monotonic()
@@ -177,6 +185,7 @@ def stop(config: Config, state_obj: Mapping[str, Any], *, served_by: str) -> Non
     released, kept = leases.release_if_gone(config.state_dir, container_id)
     if released is not None:
         log.info("lease_released", devices=list(released.devices), why="poststop")
+        _recycle(config)
     elif kept is not None:
         log.warning("lease_kept", pid=kept.holder.pid, why="its holder still runs; released when it exits")
 
@@ -188,6 +197,7 @@ def release(config: Config, container_id: str) -> Lease | None:
     lease = leases.release(config.state_dir, container_id)
     if lease is not None:
         get_logger().info("lease_released", container_id=container_id, devices=list(lease.devices), why="by hand")
+        _recycle(config)
     return lease
 
 
@@ -199,6 +209,9 @@ def reclaim_gone(config: Config) -> tuple[Ledger, tuple[Lease, ...]]:
     for lease in stale:
         get_logger().info("lease_released", container_id=lease.container_id, devices=list(lease.devices),
                           pid=lease.holder.pid, why="holder gone", served_by="status")
+    if ledger.recycle:
+        _recycle(config)
+        ledger = ledger_store.read(config.state_dir)
     return ledger, stale
 
 
@@ -210,6 +223,7 @@ def release_gone(config: Config, container_id: str) -> None:
     if released is not None:
         get_logger().info("lease_released", container_id=container_id, devices=list(released.devices),
                           pid=released.holder.pid, why="holder exited", served_by="gpuhookd")
+        _recycle(config)
 
 
 def lease_holders(config: Config) -> tuple[Lease, ...]:
@@ -232,33 +246,116 @@ class HostStatus:
 
 
 def status(config: Config) -> HostStatus:
-    """Every GPU with its policy and holders, after reclaiming the leases of gone holders."""
+    """Every GPU with its policy and holders, after reclaiming the leases of gone holders (and destroying the
+    instances gpuhook made for them)."""
+    ledger = reclaim_gone(config)[0]
     found = host_inventory(config)
-    inventory = narrow_to_live(found.inventory, found.live)
-    policies = config.gpus.resolve(inventory.gpus)
-    return HostStatus(inventory=inventory, policies=policies, ledger=reclaim_gone(config)[0])
+    policies = config.gpus.resolve(found.inventory.gpus)
+    return HostStatus(inventory=found.inventory, policies=policies, ledger=ledger)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Reserved:
+    """A start's lease: the request as allocated (``count`` placed, MIG instances by UUID), its holder (None: no
+    lease taken), the MIG instances made for it, and the request as it was asked."""
+
+    request: GpuRequest
+    holder: Holder | None
+    made: tuple[MigRecord, ...]
+    asked: GpuRequest
 
 
 def _reserve(config: Config, request: GpuRequest, found: Found, target: Target, container: Container, pidfd: int,
-             undo: contextlib.ExitStack) -> tuple[GpuRequest, Holder | None]:
-    """A start's first effect: its lease reserved under the policy (the gone holders' reclaimed first),
-    its undo pushed on *undo*; (the request with ``count`` placed, the holder; None: no lease taken)."""
+             undo: contextlib.ExitStack) -> _Reserved:
+    """A start's first effect: its lease reserved under the policy (the gone holders' reclaimed first), then
+    the MIG instances it asks for made; the undo (release, and destroy what was made) pushed on *undo*."""
     if config.state_dir is None or not _holds_devices(request):
-        return _allocated(config, request, found, Ledger(), container_id=container.id, target=target), None
+        if request.mig_asks:
+            raise PolicyError(f"{request.source}={request.raw!r}: a MIG instance made on demand is recorded in the "
+                              "lease ledger, and state_dir is null. Fix: set state_dir (default /run/gpuhook)")
+        placed = _allocated(config, request, found, Ledger(), container_id=container.id, target=target)
+        return _Reserved(request=placed, holder=None, made=(), asked=request)
+    from datetime import UTC, datetime
+
     step = time.monotonic()
+    state_dir = config.state_dir
     holder = leases.holder_of(container.pid, pidfd)
     inventory = narrow_to_live(found.inventory, found.live)
-    taken = leases.take(config.state_dir, request, inventory, config.gpus.resolve(inventory.gpus),
-                        container_id=container.id, holder=holder, unhealthy=_unhealthy(inventory, found, target))
-    undo.callback(leases.drop, config.state_dir, container.id, holder)
+    policies = config.gpus.resolve(inventory.gpus)
+    taken = leases.take(state_dir, request, inventory, policies, container_id=container.id, holder=holder,
+                        unhealthy=_unhealthy(inventory, found, target))
+    undo.callback(_drop, config, container.id, holder)
     get_logger().info("lease_reserved", devices=list(taken.allocation.devices), ms=_ms(step),
                       reclaimed=[lease.container_id for lease in taken.reclaimed])
-    return taken.allocation.request, holder
+    allocation = taken.allocation
+    if not allocation.to_make:
+        return _Reserved(request=allocation.request, holder=holder, made=(), asked=request)
+    _recycle(config, inventory)  # the reclaimed leases' instances first: they may hold the room
+    made = _make_migs(config, inventory, allocation, container.id, holder, policies, datetime.now(UTC))
+    placed = dataclasses.replace(allocation.request, mig_asks=(),
+                                 devices=allocation.request.devices + tuple(MigUuid(r.uuid) for r in made if r.uuid))
+    return _Reserved(request=placed, holder=holder, made=made, asked=request)
+
+
+def _make_migs(config: Config, inventory: Inventory, allocation: Allocation, container_id: str, holder: Holder,
+               policies: Mapping[int, GpuPolicy], now: datetime) -> tuple[MigRecord, ...]:
+    """The MIG instances *allocation* leaves to make, made for *container_id*'s lease (logged one by one)."""
+    from gpuhook.provision import mig
+
+    assert config.state_dir is not None
+    library = _nvml_library(inventory)
+    made = []
+    for pick in allocation.to_make:
+        step = time.monotonic()
+        instance = mig.make(config.state_dir, library, allocation.request, pick, container_id=container_id,
+                            holder=holder, now=now)
+        made.append(instance.record)
+        get_logger().info("mig_created", uuid=instance.record.uuid, gpu=instance.gpu.index,
+                          profile=instance.record.profile, gi=instance.record.gi, ci=instance.record.ci,
+                          name=instance.record.name, ms=_ms(step))
+    return tuple(made)
+
+
+def _drop(config: Config, container_id: str, holder: Holder) -> None:
+    """A failed start's undo: its reservation given back, and the instances made for it destroyed."""
+    assert config.state_dir is not None
+    leases.drop(config.state_dir, container_id, holder)
+    _recycle(config)
+
+
+def _recycle(config: Config, inventory: Inventory | None = None) -> None:
+    """Destroy the instances gpuhook made whose lease has ended (the ledger's ``recycle``), if there are any."""
+    if config.state_dir is None or not ledger_store.read(config.state_dir).recycle:
+        return
+    from gpuhook.provision import mig
+
+    if inventory is None:
+        inventory = inventory_for(config, LiveNeeds()).inventory
+    for record in mig.recycle(config.state_dir, _nvml_library(inventory)):
+        get_logger().info("mig_destroyed", uuid=record.uuid, gpu=record.gpu, profile=record.profile, gi=record.gi,
+                          ci=record.ci, name=record.name)
+
+
+def _recorded(config: Config) -> tuple[MigRecord, ...]:
+    """The MIG instances the ledger records (read without the lock): NVML told gpuhook their UUIDs."""
+    if config.state_dir is None:
+        return ()
+    ledger = ledger_store.read(config.state_dir)
+    return tuple(r for lease in ledger.leases for r in lease.migs if r.uuid) + ledger.recycle
+
+
+def _nvml_library(inventory: Inventory) -> Path:
+    """The driver's NVML, by the absolute path discovery found it at."""
+    found = next((f.host_path for f in inventory.libraries if f.name.startswith("libnvidia-ml.so.")), None)
+    if found is None:
+        raise DiscoveryError("the driver's libnvidia-ml.so is not in the inventory; MIG instances are made through "
+                             "it. Fix: `gpuhook info --refresh`, and check the driver install")
+    return found
 
 
 def _holds_devices(request: GpuRequest) -> bool:
     """Whether *request* can hold a device (``none`` holds none, and takes no lease)."""
-    return request.all_devices or request.count is not None or bool(request.devices)
+    return request.all_devices or request.count is not None or bool(request.devices or request.mig_asks)
 
 
 def _allocated(config: Config, request: GpuRequest, found: Found, ledger: Ledger, *, container_id: str,
@@ -287,10 +384,11 @@ def _refuse_unleased(config: Config, request: GpuRequest, inventory: Inventory) 
     from gpuhook.planning.select import select_devices
 
     policies = config.gpus.resolve(inventory.gpus)
-    if request.count is not None or any(policies[g.index].limit is not None
+    if request.count is not None or request.mig_asks or any(policies[g.index].limit is not None
                                         for g in select_devices(request, inventory).parents(inventory)):
-        raise PolicyError(f"{request.source}={request.raw!r}: a GPU with a sharing limit, or 'any'/'count=N', is "
-                          "leased when the container starts, and a spec edit runs before it exists. Fix: register "
+        raise PolicyError(f"{request.source}={request.raw!r}: a GPU with a sharing limit, 'any'/'count=N' or a MIG "
+                          "instance made on demand (mig=PROFILE) is leased when the container starts, and a spec edit "
+                          "runs before it exists. Fix: register "
                           "gpuhook as a prestart hook (and poststop) for these containers")
 
 
@@ -362,7 +460,7 @@ def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec, *
     from gpuhook.planning.specedit import add_devices
 
     request = request_for(spec, config)
-    if request is None or (hook_follows and request.count is not None):
+    if request is None or (hook_follows and (request.count is not None or request.mig_asks)):
         return raw
     found = inventory_for(config, live_needs(request))
     if not hook_follows:
@@ -390,7 +488,7 @@ def render_cdi(config: Config, hook_argv: list[str] | None) -> Rendered:
 def host_inventory(config: Config, *, refresh: bool = False) -> Found:
     """The host's inventory through the cache, MIG devices as they exist now (``info``, ``nvidia-container-cli
     info|list``, CDI)."""
-    return inventory_for(config, LiveNeeds(mig=True), refresh=refresh)
+    return inventory_for(config, LiveNeeds(mig=True), refresh=refresh, recorded=_recorded(config))
 
 
 def discover_uncached(config: Config) -> Inventory:

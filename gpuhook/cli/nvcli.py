@@ -170,6 +170,7 @@ def translate_configure(args: Sequence[str]) -> Configure:
         all_devices=devices is not None and devices.all_devices,
         devices=devices.devices if devices is not None else (),
         count=devices.count if devices is not None else None,
+        mig_asks=devices.mig_asks if devices is not None else (),
         capabilities=frozenset(Capability(cap) for cap in CAPABILITY_FLAGS if getattr(ns, cap)),
         requirements=requirements,
         imex_channels=_imex_channels(ns.imex_channel),

@@ -10,8 +10,8 @@ from typing import Any
 
 from gpuhook import service
 from gpuhook.errors import StateError
-from gpuhook.inventory import Gpu
-from gpuhook.sharing.ledger import Lease, age
+from gpuhook.inventory import Gpu, MigDevice
+from gpuhook.sharing.ledger import Lease, Ledger, age
 
 
 def run_status(config_arg: str | None, debug: bool, env: Mapping[str, str], *, as_json: bool) -> int:
@@ -40,20 +40,31 @@ def run_release(config_arg: str | None, debug: bool, env: Mapping[str, str], con
 
 
 def status_object(report: service.HostStatus) -> dict[str, Any]:
-    """The JSON shape: ``{"gpus": [{"index", "uuid", "model", "sharing", "replicas", ..., "holders": [...]}]}``."""
+    """The JSON shape: ``{"gpus": [{"index", "uuid", "model", "sharing", "replicas", ..., "holders": [...]}],
+    "mig_devices": [{"uuid", "gpu_index", "profile", "name", "created_by_gpuhook", "holder"}]}``."""
     inventory, ledger = report.inventory, report.ledger
     gpus = []
     for gpu in inventory.gpus:
         policy = report.policies[gpu.index]
         migs = {m.uuid.casefold() for m in inventory.mig_devices if m.parent_index == gpu.index}
-        holders = [_holder(lease, gpu, migs) for lease in ledger.holding(gpu.uuid, *migs)]
+        holding = ledger.holding(gpu.uuid, *migs)
+        holding += tuple(lease for lease in ledger.holding_mig_on(gpu.uuid) if lease not in holding)
+        holders = [_holder(lease, gpu, migs) for lease in holding]
         gpus.append({
             "index": gpu.index, "uuid": gpu.uuid, "model": gpu.model, "pci_bus_id": gpu.pci_bus_id,
             "sharing": policy.sharing.value, "replicas": policy.replicas,
             "capabilities": sorted(policy.capabilities) if policy.capabilities is not None else None,
             "holders": holders,
         })
-    return {"gpus": gpus}
+    return {"gpus": gpus, "mig_devices": [_mig_device(mig, ledger) for mig in inventory.mig_devices]}
+
+
+def _mig_device(mig: MigDevice, ledger: Ledger) -> dict[str, Any]:
+    record = next((r for lease in ledger.leases for r in lease.migs if r.uuid == mig.uuid), None)
+    holder = next(iter(ledger.holding(mig.uuid)), None)
+    return {"uuid": mig.uuid, "gpu_index": mig.parent_index, "profile": mig.profile or None,
+            "name": record.name if record else None, "created_by_gpuhook": bool(record and record.created),
+            "holder": holder.container_id if holder else None}
 
 
 def _holder(lease: Lease, gpu: Gpu, migs: set[str]) -> dict[str, Any]:
@@ -77,6 +88,12 @@ def status_text(data: Mapping[str, Any], *, leasing: bool) -> str:
     widths = [max(len(row[n]) for row in rows) for n in range(4)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4]
              for row in rows]
+    if data["mig_devices"]:
+        lines += ["", "MIG devices:"]
+        lines += [f"  {m['gpu_index']}  {m['uuid']}  {m['profile'] or '?'}"
+                  + (f"  #{m['name']}" if m["name"] else "")
+                  + ("  made by gpuhook" if m["created_by_gpuhook"] else "  admin's")
+                  + f"  {'held by ' + m['holder'] if m['holder'] else 'free'}" for m in data["mig_devices"]]
     if not leasing:
         lines.append("(state_dir is null: gpuhook keeps no leases, so no holders are known)")
     return "\n".join(lines) + "\n"

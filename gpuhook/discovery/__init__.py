@@ -7,18 +7,23 @@ are decided here once (see discovery.cache).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gpuhook.config import Config
 from gpuhook.discovery.cache import CachedDiscoverer, Found, Outcome
 from gpuhook.discovery.host import HostDiscoverer
 from gpuhook.inventory import LiveNeeds
+from gpuhook.sharing.ledger import MigRecord
 
 __all__ = ["Found", "Outcome", "inventory_for"]
 
 
-def inventory_for(config: Config, needs: LiveNeeds, *, refresh: bool = False) -> Found:
+def inventory_for(config: Config, needs: LiveNeeds, *, refresh: bool = False,
+                  recorded: Sequence[MigRecord] = ()) -> Found:
     """The host's inventory through the cache, with the live facts *needs* asks for; raises DiscoveryError.
 
     *refresh* rebuilds the cache from NVML first (``gpuhook info --refresh``); a config whose
-    ``cache_dir`` is null asks NVML every time (outcome ``disabled``).
+    ``cache_dir`` is null asks NVML every time (outcome ``disabled``). *recorded*: the MIG
+    instances the lease ledger records, which join the inventory without asking NVML.
     """
-    return CachedDiscoverer(config=config, inner=HostDiscoverer(config), refresh=refresh).find(needs)
+    return CachedDiscoverer(config=config, inner=HostDiscoverer(config), refresh=refresh).find(needs, recorded)

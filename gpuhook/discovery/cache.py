@@ -61,6 +61,7 @@ import stat
 import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Final, Protocol
 
 from gpuhook import __version__, catalog
@@ -70,6 +71,8 @@ from gpuhook.discovery.host import BINARY_DIRS, LIBRARY_DIRS, PROC_DRIVER_FILES
 from gpuhook.discovery.hostroot import HostRoot
 from gpuhook.discovery.live import read_live
 from gpuhook.inventory import Inventory, LiveFacts, LiveNeeds, narrow_to_live, unseen_instances
+from gpuhook.sharing.ledger import MigRecord
+from gpuhook.sharing.mig import with_recorded
 from gpuhook.sys.files import replace_at
 
 #: Bumped when the document or Inventory.to_dict changes meaning; an older file is then a miss.
@@ -273,9 +276,12 @@ class CachedDiscoverer:
         """The host's inventory, from the cache when it is valid; raises DiscoveryError."""
         return self.lookup().inventory
 
-    def find(self, needs: LiveNeeds) -> Found:
-        """The inventory and the live facts *needs* asks for, reconciled (see the module docstring)."""
+    def find(self, needs: LiveNeeds, recorded: Sequence[MigRecord] = ()) -> Found:
+        """The inventory and the live facts *needs* asks for, reconciled (see the module docstring); *recorded*:
+        the MIG instances the lease ledger records (gpuhook made them, and NVML told it their UUIDs)."""
         found = self.lookup()
+        if recorded:
+            found = replace(found, inventory=with_recorded(found.inventory, recorded))
         live = read_live(self.config, needs)
         # Only a hit can be behind the layout: a rebuilt inventory was made a moment ago, and
         # asking NVML again for an instance made since would be the same race once more.

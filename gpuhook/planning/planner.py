@@ -72,7 +72,7 @@ def live_needs(request: GpuRequest, target: Target | None = None) -> LiveNeeds:
         extra_nodes=bool(request.imex_channels or request.gated),
         xids=target is not None and target.unhealthy_gpus is not HealthPolicy.IGNORE,
         # "all" selects every MIG device too (select_devices)
-        mig=(request.all_devices or request.mig_config or request.mig_monitor
+        mig=(request.all_devices or request.mig_config or request.mig_monitor or bool(request.mig_asks)
              or any(isinstance(d, MigIndex | MigUuid) for d in request.devices)),
     )
 
@@ -171,13 +171,29 @@ def _gated_devices(live: LiveFacts, gated: frozenset[str], skipped: list[Skipped
     return tuple(out)
 
 
+def _whole_mig_gpus(request: GpuRequest, inventory: Inventory, device_plan: DevicePlan) -> tuple[str, ...]:
+    """A GPU in MIG mode asked for whole: its node lets nvidia-smi see it, but CUDA sees none of it (NVIDIA's
+    stack gives it so too, and monitoring containers ask so); said, with what to ask for instead."""
+    if request.all_devices:
+        return ()
+    parents = {m.parent_index for m in device_plan.migs}
+    out = []
+    for gpu in (g for g in device_plan.gpus if g.mig_enabled and g.index not in parents):
+        migs = ", ".join(f"{m.parent_index}:{m.index} ({m.uuid}, {m.profile or '?'})"
+                         for m in inventory.mig_devices if m.parent_index == gpu.index) or "none"
+        out.append(f"GPU {gpu.index} ({gpu.uuid}) is in MIG mode and asked for whole: CUDA in the container sees "
+                   f"none of it. Its MIG devices: {migs}; ask for one of them ({gpu.index}:0, a MIG UUID) or for a "
+                   f"new instance ({gpu.index},mig=PROFILE)")
+    return tuple(out)
+
+
 def make_plan(request: GpuRequest, inventory: Inventory, live: LiveFacts, target: Target) -> Plan:
     """Everything to inject for *request*; raises RequestError/DiscoveryError."""
     device_plan = plan_devices(request, inventory, live)
     gpus = device_plan.gpus
     caps = request.capabilities
     skipped = list(device_plan.skipped)
-    warnings = check_health(gpus, live, target.unhealthy_gpus)
+    warnings = check_health(gpus, live, target.unhealthy_gpus) + _whole_mig_gpus(request, inventory, device_plan)
     devices = tuple(d for d in device_plan.devices if (d.major, d.minor) not in target.runtime_devices)
     libraries = _libraries(inventory.libraries, caps, target.libs_dir, skipped)
     if gpus or device_plan.migs:

@@ -67,9 +67,10 @@ def take(state_dir: Path, request: GpuRequest, inventory: Inventory, policies: M
         except GpuHookError as err:
             return ledger, (err, stale)
         taken = Taken(allocation=allocation, reclaimed=stale)
-        if not allocation.devices:
+        if not allocation.devices and not allocation.to_make:
             return ledger, (taken, stale)
-        lease = Lease(container_id=container_id, devices=allocation.devices, holder=holder, since=timestamp(now))
+        lease = Lease(container_id=container_id, devices=allocation.devices, holder=holder, since=timestamp(now),
+                      migs=allocation.migs)
         return ledger.reserve(lease), (taken, stale)
 
     outcome, _ = ledger_store.update(state_dir, change)

@@ -17,7 +17,7 @@ import fcntl
 import json
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -56,6 +56,23 @@ def update(state_dir: Path, change: Callable[[Ledger], tuple[Ledger, T]]) -> T:
             os.close(lock)  # releases the flock
     finally:
         os.close(dir_fd)
+
+
+@contextlib.contextmanager
+def gpu_lock(state_dir: Path, gpu_uuid: str) -> Iterator[None]:
+    """Held while a GPU's MIG instances are changed (``mig-<uuid>.lock``); taken before the ledger's lock, never
+    after, so two starts never wait on each other in opposite orders."""
+    name = "mig-" + "".join(c for c in gpu_uuid if c.isascii() and (c.isalnum() or c == "-")) + ".lock"
+    dir_fd = open_state_dir(state_dir)
+    try:
+        lock = _open(dir_fd, name, os.O_RDWR | os.O_CREAT, state_dir)
+    finally:
+        os.close(dir_fd)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(lock)
 
 
 def read(state_dir: Path) -> Ledger:

@@ -26,10 +26,10 @@ import enum
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NoReturn
 
 from gpuhook.errors import RequestError
-from gpuhook.request.model import DeviceId, GpuIndex, GpuUuid, MigIndex, MigUuid
+from gpuhook.request.model import DeviceId, GpuIndex, GpuUuid, MigAsk, MigIndex, MigUuid
 from gpuhook.request.quick import BLANKS
 
 _UUID: Final = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
@@ -39,13 +39,18 @@ _MIG_UUID_RE: Final = re.compile(rf"MIG-{_UUID}|MIG-GPU-{_UUID}/[0-9]{{1,4}}/[0-
 _MIG_INDEX_RE: Final = re.compile(r"([0-9]{1,4}):([0-9]{1,4})")
 _CHANNEL_RE: Final = re.compile(r"[0-9]{1,7}")
 _COUNT_RE: Final = re.compile(r"count=([1-9][0-9]{0,3})")
+#: a GPU-instance profile as ``nvidia-smi mig -lgip`` names it: 1g.5gb, 3g.20gb, 1g.10gb+me, 7g.80gb
+MIG_PROFILE: Final = r"[1-8]g\.[1-9][0-9]{0,3}gb(?:\+me\.all|\+me|\+gfx|-me)*"
+#: ``mig=3g.20gb``, ``mig=1g.5gb+me#instance1``: a profile, then an optional instance name
+_MIG_ASK_RE: Final = re.compile(rf"mig=({MIG_PROFILE})(?:#([A-Za-z0-9][A-Za-z0-9_.-]{{0,62}}))?")
 
 #: IMEX channel ids are below 2^20 (the driver's NVIDIA_IMEX_CHANNEL_MAX).
 MAX_IMEX_CHANNEL: Final = 1 << 20
 
 ACCEPTED_FORMS: Final = (
     "'all', 'none', 'void', 'any', 'count=N' (N free GPUs), or a comma-separated list of GPU indices (0,1), "
-    "GPU UUIDs (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx), MIG UUIDs (MIG-…) or MIG indices (0:1)"
+    "GPU UUIDs (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx), MIG UUIDs (MIG-…), MIG indices (0:1) or MIG instances "
+    "to make (0,mig=3g.20gb#NAME)"
 )
 
 
@@ -99,7 +104,7 @@ class Unknown:
         return self.text
 
 
-DeviceToken = Keyword | DeviceId | GpuCount | CdiName | Unknown
+DeviceToken = Keyword | DeviceId | GpuCount | MigAsk | CdiName | Unknown
 ChannelToken = Keyword | ChannelId | Unknown
 
 _DEVICE_KEYWORDS: Final = {k.value: k for k in Keyword}
@@ -110,6 +115,7 @@ _DEVICE_FORMS: Final[tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], Devi
     (_MIG_UUID_RE, lambda m: MigUuid(m[0])),
     (_MIG_INDEX_RE, lambda m: MigIndex(int(m[1]), int(m[2]))),
     (_COUNT_RE, lambda m: GpuCount(int(m[1]))),
+    (_MIG_ASK_RE, lambda m: MigAsk(profile=m[1], name=m[2])),
 )
 
 
@@ -120,6 +126,8 @@ class DeviceList:
     all_devices: bool
     devices: tuple[DeviceId, ...]
     count: int | None = None
+    #: ``mig=PROFILE[#NAME]`` entries, each with the GPU token right before it (that GPU is then not in devices)
+    mig_asks: tuple[MigAsk, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,8 +150,8 @@ def device_token(entry: str) -> DeviceToken:
     for pattern, make in _DEVICE_FORMS:
         if match := pattern.fullmatch(entry):
             return make(match)
-    if entry.startswith("count="):
-        return Unknown(entry)  # not 1-9999: refused as a count, not as a CDI name
+    if entry.startswith(("count=", "mig=")):
+        return Unknown(entry)  # refused as a count or a MIG profile, not as a CDI name
     return CdiName(entry) if entry.startswith("cdi/") or "=" in entry else Unknown(entry)
 
 
@@ -153,7 +161,7 @@ def decode_devices(raw: str, *, source: str) -> DeviceList | None:
     Empty or ``void`` anywhere is None; otherwise the first of ``all``/``none``
     decides; otherwise ``any`` or ``count=N`` must stand alone (gpuhook's: which GPUs is
     decided at the start, under the sharing policy); otherwise every entry must be a device id
-    (duplicates dropped).
+    (duplicates dropped) or a ``mig=PROFILE[#NAME]`` ask.
     """
     tokens = [device_token(entry) for entry in entries(raw)]
     if not tokens or Keyword.VOID in tokens:
@@ -169,28 +177,53 @@ def decode_devices(raw: str, *, source: str) -> DeviceList | None:
             raise RequestError(f"{source}={raw!r}: 'any' and 'count=N' stand for the whole list; expected one of them "
                                "alone, or a list of GPU indices or UUIDs")
         return DeviceList(all_devices=False, devices=(), count=counts[0])
+    return _device_ids(tokens, raw, source)
+
+
+def _device_ids(tokens: list[DeviceToken], raw: str, source: str) -> DeviceList:
+    """A list of device ids and ``mig=`` asks; each ask applies to the GPU token right before its run."""
     ids: list[DeviceId] = []
+    asks: list[MigAsk] = []
+    on: GpuIndex | GpuUuid | None = None  # the GPU the current run of mig= entries applies to
+    previous: DeviceToken | None = None
     for token in tokens:
         match token:
+            case MigAsk():
+                if isinstance(previous, GpuIndex | GpuUuid):
+                    on = previous
+                    ids.pop()  # that GPU gets the instance, not itself whole
+                elif not isinstance(previous, MigAsk):
+                    on = None
+                asks.append(MigAsk(profile=token.profile, name=token.name, gpu=on))
             case GpuIndex() | GpuUuid() | MigUuid() | MigIndex():
                 ids.append(token)
-            case CdiName(text) if text.startswith("mig="):
-                raise RequestError(
-                    f"{source}={raw!r}: {text!r} asks for a MIG instance to be made, which this gpuhook does not "
-                    f"do yet. Fix: make it with `nvidia-smi mig -i GPU -cgi {text[4:].partition('#')[0]} -C` and "
-                    "ask for it by MIG UUID (nvidia-smi -L) or GPU:MIG index (0:1)"
-                )
-            case CdiName():
-                raise RequestError(
-                    f"{source}={raw!r}: {token.text!r} is a CDI device name; gpuhook's hook takes indices or UUIDs. "
-                    "Fix: request the GPU by index or UUID, or let a CDI-aware engine apply the CDI spec"
-                )
-            case Unknown(text) if text.startswith("count="):
-                raise RequestError(f"{source}={raw!r}: {text!r} is not a count; expected count=N with N a whole "
-                                   "number from 1 to 9999 (the number of free GPUs wanted)")
             case _:
-                raise RequestError(f"{source}={raw!r}: {str(token)!r} is not a device; expected {ACCEPTED_FORMS}")
-    return DeviceList(all_devices=False, devices=tuple(dict.fromkeys(ids)))
+                _refuse(token, raw, source)
+        previous = token
+    names = [(ask.gpu, ask.name) for ask in asks if ask.name]
+    if len(names) != len(set(names)):
+        raise RequestError(f"{source}={raw!r}: one instance name is asked twice on one GPU; expected each "
+                           "#NAME once (a name stands for one instance)")
+    return DeviceList(all_devices=False, devices=tuple(dict.fromkeys(ids)), mig_asks=tuple(asks))
+
+
+def _refuse(token: DeviceToken, raw: str, source: str) -> NoReturn:
+    """Raise the RequestError for an entry that is no device id, naming it and what was expected."""
+    match token:
+        case CdiName():
+            raise RequestError(
+                f"{source}={raw!r}: {token.text!r} is a CDI device name; gpuhook's hook takes indices or UUIDs. "
+                "Fix: request the GPU by index or UUID, or let a CDI-aware engine apply the CDI spec"
+            )
+        case Unknown(text) if text.startswith("count="):
+            raise RequestError(f"{source}={raw!r}: {text!r} is not a count; expected count=N with N a whole "
+                               "number from 1 to 9999 (the number of free GPUs wanted)")
+        case Unknown(text) if text.startswith("mig="):
+            raise RequestError(f"{source}={raw!r}: {text!r} is not a MIG instance request; expected "
+                               "mig=PROFILE or mig=PROFILE#NAME with PROFILE a GPU-instance profile as `nvidia-smi "
+                               "mig -lgip` lists it (3g.20gb, 1g.5gb+me) and NAME letters, digits, '.', '_' or "
+                               "'-' (mig=3g.20gb#instance1)")
+    raise RequestError(f"{source}={raw!r}: {str(token)!r} is not a device; expected {ACCEPTED_FORMS}")
 
 
 def channel_token(entry: str) -> ChannelToken:

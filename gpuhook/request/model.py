@@ -69,6 +69,26 @@ class MigIndex:
 DeviceId = GpuIndex | GpuUuid | MigUuid | MigIndex
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MigAsk:
+    """``mig=PROFILE[#NAME]``: a MIG instance of a GPU-instance profile, reused if one is free, else made.
+
+    It is made (or reused) at the start, held while the container runs and, if gpuhook made it,
+    destroyed when the container ends.
+    """
+
+    #: a GPU-instance profile name as ``nvidia-smi mig -lgip`` shows it (``3g.20gb``, ``1g.5gb+me``)
+    profile: str
+    #: ``#NAME``: names the instance while it exists (one holder per name and GPU)
+    name: str | None = None
+    #: the GPU token right before it; None: any MIG-enabled GPU with room, least used first
+    gpu: GpuIndex | GpuUuid | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.gpu}," if self.gpu is not None else ""
+        return f"{where}mig={self.profile}" + (f"#{self.name}" if self.name else "")
+
+
 class RequestSource(enum.StrEnum):
     """Where a request's device list came from (the hook's four in NVIDIA's priority order); leads its messages."""
 
@@ -96,6 +116,9 @@ class GpuRequest:
     capabilities: frozenset[Capability]
     #: ``count=N`` / ``any``: this many GPUs free under their policies (devices is then empty)
     count: int | None = None
+    #: ``mig=PROFILE[#NAME]``: MIG instances to make or reuse at the start (``sharing.allocate`` turns each
+    #: into the MigUuid it gets, before anything is planned)
+    mig_asks: tuple[MigAsk, ...] = ()
     requirements: tuple[Requirement, ...] = ()
     #: NVIDIA_IMEX_CHANNELS: channel ids for /dev/nvidia-caps-imex-channels/channelN
     imex_channels: tuple[int, ...] = ()

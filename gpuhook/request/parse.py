@@ -58,6 +58,7 @@ def parse_request(
         all_devices=devices.all_devices,
         devices=devices.devices,
         count=devices.count,
+        mig_asks=devices.mig_asks,
         capabilities=parse_capabilities(env.get(DRIVER_CAPABILITIES), legacy=legacy),
         requirements=parse_requirements(env, legacy=legacy),
         imex_channels=_imex_channels(env) if spec.privileged or accept_envvar_when_unprivileged else (),

@@ -1,13 +1,12 @@
 """Allocation: which devices a request gets under the per-GPU policy and the ledger, or why none.
 
 A pure function of the request, the (live-narrowed) inventory, each GPU's policy and the
-ledger. A GPU's *holders* are the other containers that hold it whole or hold one of its MIG
-devices; a MIG device's are those that hold it or its parent whole. A device has room while
-its holders are fewer than its policy's limit (exclusive 1, shared/mps ``replicas``,
-unlimited none). ``count=N`` takes N GPUs with room whose policy allows the request's
-capabilities, least held first, then the lowest index; all or nothing. It never picks a GPU
-that the health policy would refuse (``unhealthy``); a GPU named explicitly is the health
-check's to refuse.
+ledger; holders and room are ``sharing.room``'s. ``count=N`` takes N GPUs with room whose
+policy allows the request's capabilities, least held first, then the lowest index; all or
+nothing. It never picks a GPU that the health policy would refuse (``unhealthy``); a GPU named
+explicitly is the health check's to refuse. ``mig=PROFILE`` asks are ``sharing.mig``'s: an
+admin's free instance is leased at once, an instance to make is left to the provisioning part
+(``Allocation.to_make``).
 """
 
 from __future__ import annotations
@@ -17,20 +16,27 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 from gpuhook.errors import BusyError, PolicyError
-from gpuhook.inventory import Gpu, Inventory, MigDevice
+from gpuhook.inventory import Gpu, Inventory
 from gpuhook.planning.select import select_devices
-from gpuhook.request.model import GpuIndex, GpuRequest
-from gpuhook.sharing.ledger import Lease, Ledger
+from gpuhook.request.model import GpuIndex, GpuRequest, MigUuid
+from gpuhook.sharing.ledger import Ledger, MigRecord
+from gpuhook.sharing.mig import MigPick, pick_migs, reused_record, with_policy_instances
 from gpuhook.sharing.policy import GpuPolicy
+from gpuhook.sharing.room import Room
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Allocation:
-    """What a start may take: *request* with its ``count`` resolved to GPUs, and the devices to lease."""
+    """What a start may take: *request* with ``count`` resolved to GPUs and reused MIG instances named by UUID,
+    the devices to lease (and the MIG records among them), and the MIG instances still to make."""
 
     request: GpuRequest
     #: GPU and MIG UUIDs, in request order
     devices: tuple[str, ...]
+    #: the admin instances reused (their records join the lease)
+    migs: tuple[MigRecord, ...] = ()
+    #: asks that get an instance made for them (``request`` keeps these asks; the rest are resolved)
+    to_make: tuple[MigPick, ...] = ()
 
 
 def allocate(request: GpuRequest, inventory: Inventory, policies: Mapping[int, GpuPolicy], ledger: Ledger, *,
@@ -38,13 +44,15 @@ def allocate(request: GpuRequest, inventory: Inventory, policies: Mapping[int, G
     """The devices *request* gets; raises PolicyError (a capability not allowed), BusyError (no room) or
     UnknownDeviceError. *container_id*'s own lease (a second start stage) does not count against it;
     *unhealthy*: GPUs (by index, with the problem) that ``count`` must not pick."""
-    others = Ledger(tuple(lease for lease in ledger.leases if lease.container_id != container_id))
-    room = _Room(inventory, policies, others, now)
+    others = Ledger(tuple(lease for lease in ledger.leases if lease.container_id != container_id), ledger.recycle)
+    room = Room(inventory, policies, others, now)
     if request.count is not None:
         gpus = _pick(request, inventory.gpus, room, unhealthy or {})
         return Allocation(request=replace(request, devices=tuple(GpuIndex(g.index) for g in gpus), count=None),
                           devices=tuple(g.uuid for g in gpus))
+    request = with_policy_instances(request, inventory, policies)
     selection = select_devices(request, inventory)
+    picks = _pick_migs(request, inventory, room)
     full: list[str] = []
     for gpu in selection.gpus:
         _check_capabilities(request, gpu, policies[gpu.index])
@@ -59,11 +67,30 @@ def allocate(request: GpuRequest, inventory: Inventory, policies: Mapping[int, G
         raise BusyError(f"{request.source}={request.raw!r}: {'; '.join(full)}. Fix: wait for the holder to end, "
                         "ask for another GPU ('any' or 'count=N' take free ones), or, if a holder is gone, "
                         "`gpuhook release CONTAINER_ID`")
+    reused = tuple(p for p in picks if p.reuse is not None)
+    to_make = tuple(p for p in picks if p.reuse is None)
+    request = replace(request, devices=request.devices + tuple(MigUuid(p.reuse.uuid) for p in reused if p.reuse),
+                      mig_asks=tuple(p.ask for p in to_make))
     return Allocation(request=request, devices=tuple(g.uuid for g in selection.gpus)
-                      + tuple(m.uuid for m in selection.migs))
+                      + tuple(m.uuid for m in selection.migs) + tuple(p.reuse.uuid for p in reused if p.reuse),
+                      migs=tuple(reused_record(p, inventory) for p in reused), to_make=to_make)
 
 
-def _pick(request: GpuRequest, gpus: Sequence[Gpu], room: _Room, unhealthy: Mapping[int, str]) -> tuple[Gpu, ...]:
+def _pick_migs(request: GpuRequest, inventory: Inventory, room: Room) -> tuple[MigPick, ...]:
+    """The request's ``mig=`` asks placed (each ask's GPU found first, and its policy's capabilities checked)."""
+    if not request.mig_asks:
+        return ()
+    named = []
+    for ask in request.mig_asks:
+        gpus = (select_devices(replace(request, devices=(ask.gpu,), mig_asks=()), inventory).gpus
+                if ask.gpu is not None else ())
+        named.append(gpus[0] if gpus else None)
+    for gpu in (g for g in named if g is not None):
+        _check_capabilities(request, gpu, room.policies[gpu.index])
+    return pick_migs(request, inventory, room, named)
+
+
+def _pick(request: GpuRequest, gpus: Sequence[Gpu], room: Room, unhealthy: Mapping[int, str]) -> tuple[Gpu, ...]:
     """``count=N``: the N GPUs with room, least held first, then the lowest index; raises BusyError
     (PolicyError when too few GPUs may be given the request's capabilities at all)."""
     assert request.count is not None
@@ -100,45 +127,3 @@ def _check_capabilities(request: GpuRequest, gpu: Gpu, policy: GpuPolicy) -> Non
 
 def _names(policy: GpuPolicy) -> str:
     return ", ".join(sorted(policy.capabilities or ())) or "no capability"
-
-
-class _Room:
-    """Holders and room of each device under the policies (the other containers' leases only)."""
-
-    __slots__ = ("inventory", "ledger", "now", "policies")
-
-    def __init__(self, inventory: Inventory, policies: Mapping[int, GpuPolicy], ledger: Ledger, now: datetime) -> None:
-        self.inventory = inventory
-        self.policies = policies
-        self.ledger = ledger
-        self.now = now
-
-    def gpu_holders(self, gpu: Gpu) -> tuple[Lease, ...]:
-        """Who holds *gpu* whole or one of its MIG devices."""
-        return self.ledger.holding(gpu.uuid, *(m.uuid for m in self.inventory.mig_devices
-                                               if m.parent_index == gpu.index))
-
-    def mig_holders(self, mig: MigDevice, parent: Gpu) -> tuple[Lease, ...]:
-        """Who holds *mig*, or its parent whole."""
-        return self.ledger.holding(mig.uuid, parent.uuid)
-
-    def gpu_has_room(self, gpu: Gpu) -> bool:
-        limit = self.policies[gpu.index].limit
-        return limit is None or len(self.gpu_holders(gpu)) < limit
-
-    def mig_has_room(self, mig: MigDevice, parent: Gpu) -> bool:
-        limit = self.policies[parent.index].limit
-        return limit is None or len(self.mig_holders(mig, parent)) < limit
-
-    def describe_gpu(self, gpu: Gpu) -> str:
-        policy = self.policies[gpu.index].describe()
-        return f"GPU {gpu.index} ({gpu.uuid}) is {policy}, {self._held(self.gpu_holders(gpu))}"
-
-    def describe_mig(self, mig: MigDevice, parent: Gpu) -> str:
-        policy = self.policies[parent.index].describe()
-        return f"MIG device {mig.uuid} (on GPU {parent.index}, {policy}) is {self._held(self.mig_holders(mig, parent))}"
-
-    def _held(self, leases: Sequence[Lease]) -> str:
-        holders = ", ".join(f"{lease.container_id} (pid {lease.holder.pid}, for {lease.age(self.now)})"
-                            for lease in leases)
-        return f"held by {holders}"

@@ -6,6 +6,13 @@ kernel hands to another process never keeps a lease. Transitions return a new le
 ``reserve`` (before anything is changed in the container) → ``activate`` (the start held) →
 ``release``; ``stale`` lists the leases whose holder is gone, with the liveness check passed in.
 The store (a file written atomically under a lock) is ``provision.ledger_store``'s.
+
+A lease also records the MIG instances it holds (``MigRecord``): an admin's, reused, or one
+gpuhook made for it. A made one is recorded *before* NVML is asked to make it (``creating``,
+with the placement it is made at), so a crash between the two leaves a record to find it by.
+Whenever a lease leaves the ledger, the instances gpuhook made for it move to ``recycle``, the
+instances to destroy; they leave it once destroyed (``recycled``), so no path that ends a lease
+can forget one.
 """
 
 from __future__ import annotations
@@ -38,6 +45,36 @@ class Holder:
     start: int
 
 
+class MigState(enum.StrEnum):
+    """Where a MIG instance a lease holds is in its life."""
+
+    #: recorded, NVML not yet known to have made it (its placement says where it would be)
+    CREATING = "creating"
+    #: it exists: ids and UUID known
+    READY = "ready"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MigRecord:
+    """A MIG instance a lease holds: one gpuhook made for it, or an admin's it reuses."""
+
+    #: the parent GPU's UUID
+    gpu: str
+    #: the GPU-instance profile name (``3g.20gb``)
+    profile: str
+    #: ``#NAME`` it was asked by (None: unnamed)
+    name: str | None
+    #: gpuhook made it (destroyed when the lease ends); False: an admin's, reused and never destroyed
+    created: bool
+    state: MigState = MigState.READY
+    #: the NVML profile id and the placement start (memory slice) gpuhook made it with
+    profile_id: int | None = None
+    placement: int | None = None
+    gi: int | None = None
+    ci: int | None = None
+    uuid: str | None = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Lease:
     """One container's hold on its devices."""
@@ -49,6 +86,8 @@ class Lease:
     #: when it was taken, UTC, ISO 8601 with a Z (``2026-12-01T12:00:00Z``)
     since: str
     state: LeaseState = LeaseState.RESERVED
+    #: the MIG instances among (or about to join) *devices*
+    migs: tuple[MigRecord, ...] = ()
 
     def age(self, now: datetime) -> str:
         """How long it has been held (``age``)."""
@@ -75,9 +114,11 @@ def timestamp(now: datetime) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Ledger:
-    """Every lease, in the order they were taken."""
+    """Every lease, in the order they were taken, and the MIG instances gpuhook made that await destruction."""
 
     leases: tuple[Lease, ...] = ()
+    #: instances gpuhook made whose lease has ended: destroyed by whoever ended it, or by the next reclaim
+    recycle: tuple[MigRecord, ...] = ()
 
     def lease_of(self, container_id: str) -> Lease | None:
         """*container_id*'s lease, if it holds one."""
@@ -88,21 +129,43 @@ class Ledger:
         wanted = {device.casefold() for device in devices}
         return tuple(lease for lease in self.leases if any(d.casefold() in wanted for d in lease.devices))
 
+    def holding_mig_on(self, gpu: str) -> tuple[Lease, ...]:
+        """The leases with a MIG instance (made, being made or reused) on the GPU with UUID *gpu*."""
+        return tuple(lease for lease in self.leases if any(r.gpu.casefold() == gpu.casefold() for r in lease.migs))
+
+    def named(self, gpu: str, name: str) -> Lease | None:
+        """The lease holding the instance called *name* on the GPU with UUID *gpu*."""
+        return next((lease for lease in self.leases
+                     if any(r.name == name and r.gpu.casefold() == gpu.casefold() for r in lease.migs)), None)
+
     def reserve(self, lease: Lease) -> Ledger:
         """With *lease* added, replacing an earlier lease of the same container (a second start stage; gone
         holders' leases are reclaimed first, so an earlier one is this container's own)."""
-        return Ledger((*(old for old in self.leases if old.container_id != lease.container_id), lease))
+        return self._ending(lambda old: old.container_id == lease.container_id, add=lease)
 
     def activate(self, container_id: str, holder: Holder) -> Ledger:
         """With *container_id*'s reservation by *holder* active (unchanged if it is not there)."""
-        return Ledger(tuple(replace(lease, state=LeaseState.ACTIVE)
-                            if lease.container_id == container_id and lease.holder == holder else lease
-                            for lease in self.leases))
+        return self._changed(container_id, holder, lambda lease: replace(lease, state=LeaseState.ACTIVE))
+
+    def record_mig(self, container_id: str, holder: Holder, record: MigRecord, *, replacing: MigRecord | None = None
+                   ) -> Ledger:
+        """With *record* in *container_id*'s lease (in place of *replacing*); a ready one's UUID joins its devices."""
+        def change(lease: Lease) -> Lease:
+            migs = (*(r for r in lease.migs if r != replacing), record)
+            devices = lease.devices + ((record.uuid,) if record.uuid and record.uuid not in lease.devices else ())
+            return replace(lease, migs=migs, devices=devices)
+
+        return self._changed(container_id, holder, change)
+
+    def forget_mig(self, container_id: str, holder: Holder, record: MigRecord) -> Ledger:
+        """Without *record* in *container_id*'s lease (an instance NVML did not make after all)."""
+        return self._changed(container_id, holder, lambda lease: replace(
+            lease, migs=tuple(r for r in lease.migs if r != record)))
 
     def release(self, container_id: str, holder: Holder | None = None) -> Ledger:
         """Without *container_id*'s lease (only if *holder* holds it, when given)."""
-        return Ledger(tuple(lease for lease in self.leases
-                            if lease.container_id != container_id or (holder is not None and lease.holder != holder)))
+        return self._ending(lambda lease: lease.container_id == container_id
+                            and (holder is None or lease.holder == holder))
 
     def stale(self, alive: Callable[[Holder], bool]) -> tuple[Lease, ...]:
         """The leases whose holder no longer runs."""
@@ -110,7 +173,21 @@ class Ledger:
 
     def without(self, leases: tuple[Lease, ...]) -> Ledger:
         """With exactly *leases* removed."""
-        return Ledger(tuple(lease for lease in self.leases if lease not in leases))
+        return self._ending(lambda lease: lease in leases)
+
+    def recycled(self, record: MigRecord) -> Ledger:
+        """With *record* (destroyed, or found gone) out of ``recycle``."""
+        return Ledger(self.leases, tuple(r for r in self.recycle if r != record))
+
+    def _ending(self, ends: Callable[[Lease], bool], add: Lease | None = None) -> Ledger:
+        """Without the leases *ends* picks (the instances gpuhook made for them moved to ``recycle``), plus *add*."""
+        kept = tuple(lease for lease in self.leases if not ends(lease))
+        made = tuple(r for lease in self.leases if ends(lease) for r in lease.migs if r.created)
+        return Ledger(kept + ((add,) if add is not None else ()), self.recycle + made)
+
+    def _changed(self, container_id: str, holder: Holder, change: Callable[[Lease], Lease]) -> Ledger:
+        return Ledger(tuple(change(lease) if lease.container_id == container_id and lease.holder == holder else lease
+                            for lease in self.leases), self.recycle)
 
 
 # --- the stored form -------------------------------------------------------------------------------
@@ -120,12 +197,16 @@ def to_object(ledger: Ledger) -> dict[str, Any]:
     """JSON-ready."""
     return {"format": FORMAT, "leases": [
         {"container_id": lease.container_id, "devices": list(lease.devices), "pid": lease.holder.pid,
-         "start_ticks": lease.holder.start, "since": lease.since, "state": lease.state.value}
-        for lease in ledger.leases]}
+         "start_ticks": lease.holder.start, "since": lease.since, "state": lease.state.value,
+         "migs": [_record_object(r) for r in lease.migs]}
+        for lease in ledger.leases], "recycle": [_record_object(r) for r in ledger.recycle]}
 
 
 def from_object(data: Any, *, source: str) -> Ledger:
-    """The ledger *data* (from ``to_object``) describes; raises StateError naming what is wrong."""
+    """The ledger *data* (from ``to_object``) describes; raises StateError naming what is wrong.
+
+    ``migs`` and ``recycle`` may be absent (a ledger written before MIG instances were made).
+    """
     if not isinstance(data, Mapping) or data.get("format") != FORMAT or not isinstance(data.get("leases"), list):
         raise StateError(f"{source} is not a format-{FORMAT} lease ledger; {_FIX}")
     leases = []
@@ -134,12 +215,37 @@ def from_object(data: Any, *, source: str) -> Ledger:
             leases.append(Lease(
                 container_id=_typed(item, "container_id", str), devices=tuple(_typed(item, "devices", list)),
                 holder=Holder(pid=_typed(item, "pid", int), start=_typed(item, "start_ticks", int)),
-                since=_typed(item, "since", str), state=LeaseState(_typed(item, "state", str))))
-        except (TypeError, ValueError, KeyError) as err:
+                since=_typed(item, "since", str), state=LeaseState(_typed(item, "state", str)),
+                migs=tuple(_record(r) for r in item.get("migs", ()))))
+        except (TypeError, ValueError, KeyError, AttributeError) as err:
             raise StateError(f"{source}: lease {n} is malformed ({err}); {_FIX}") from None
         if not all(isinstance(d, str) for d in leases[-1].devices):
             raise StateError(f"{source}: lease {n} has a device that is not a UUID string; {_FIX}")
-    return Ledger(tuple(leases))
+    try:
+        recycle = tuple(_record(r) for r in data.get("recycle", ()))
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise StateError(f"{source}: its recycle list is malformed ({err}); {_FIX}") from None
+    return Ledger(tuple(leases), recycle)
+
+
+_OPTIONAL_INT: Final = (int, type(None))
+_RECORD_FIELDS: Final[dict[str, type | tuple[type, ...]]] = {
+    "gpu": str, "profile": str, "name": (str, type(None)), "created": bool, "state": str, "profile_id": _OPTIONAL_INT,
+    "placement": _OPTIONAL_INT, "gi": _OPTIONAL_INT, "ci": _OPTIONAL_INT, "uuid": (str, type(None))}
+
+
+def _record_object(record: MigRecord) -> dict[str, Any]:
+    return {key: getattr(record, key) for key in _RECORD_FIELDS} | {"state": record.state.value}
+
+
+def _record(item: Any) -> MigRecord:
+    values: dict[str, Any] = {}
+    for key, kind in _RECORD_FIELDS.items():
+        value = item[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise TypeError(f"{key} is {value!r}")
+        values[key] = value
+    return MigRecord(**(values | {"state": MigState(values["state"])}))
 
 
 _FIX = "it is gpuhook's own file: remove it to start afresh (leases of running containers are then forgotten)"

@@ -18,6 +18,7 @@ from typing import Any, Final
 from gpuhook.errors import ConfigError
 from gpuhook.inventory import Gpu
 from gpuhook.request.model import Capability
+from gpuhook.request.grammar import MIG_PROFILE
 
 
 class Sharing(enum.StrEnum):
@@ -41,8 +42,7 @@ _INDEX_RE: Final = re.compile(r"[0-9]{1,4}")
 _UUID_RE: Final = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 #: NVML's bus id (``00000000:18:00.0``) or the short lspci form (``0000:18:00.0``, ``18:00.0``)
 _PCI_RE: Final = re.compile(r"(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
-#: a GPU-instance profile as ``nvidia-smi mig -lgip`` names it: 1g.5gb, 3g.20gb, 1g.10gb+me, 7g.80gb
-_PROFILE_RE: Final = re.compile(r"[1-8]g\.[1-9][0-9]{0,3}gb(?:\+me\.all|\+me|\+gfx|-me)*")
+_PROFILE_RE: Final = re.compile(MIG_PROFILE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -95,8 +95,9 @@ class Site:
     # -- containers ----------------------------------------------------------------------------------
 
     def bundle(self, env: Mapping[str, str], *, poststop: bool = True,
-               prestart: dict[str, Any] | None = None) -> Bundle:
-        """A sleeping container asking for *env*, gpuhook its prestart hook (and poststop hook, unless not)."""
+               prestart: dict[str, Any] | None = None, script: str = SLEEPER) -> Bundle:
+        """A sleeping container asking for *env*, gpuhook its prestart hook (and poststop hook, unless not);
+        *script*: what it runs (it must end sleeping, and write /out/dev last)."""
         self._count += 1
         path = self.tmp / f"bundle{self._count}"
         out = self.tmp / f"out{self._count}"
@@ -105,7 +106,7 @@ class Site:
         hooks: dict[str, Any] = {"prestart": [prestart or hook_entry(self.config, "prestart")]}
         if poststop:
             hooks["poststop"] = [hook_entry(self.config, "poststop")]
-        spec = default_spec("rootfs", ["/bin/sh", "-c", SLEEPER],
+        spec = default_spec("rootfs", ["/bin/sh", "-c", script],
                             ["PATH=/usr/local/bin:/usr/bin:/bin", *(f"{k}={v}" for k, v in env.items())],
                             hooks=hooks, capabilities=["CAP_MKNOD"])
         spec["mounts"].append({"destination": "/out", "type": "bind", "source": str(out), "options": ["rbind", "rw"]})
@@ -124,9 +125,9 @@ class Site:
         return Started(bundle, proc.returncode, err.read_text(errors="replace"))
 
     def run(self, env: Mapping[str, str], *, poststop: bool = True,
-            prestart: dict[str, Any] | None = None) -> Started:
+            prestart: dict[str, Any] | None = None, script: str = SLEEPER) -> Started:
         """A new container asking for *env*, started."""
-        return self.start(self.bundle(env, poststop=poststop, prestart=prestart))
+        return self.start(self.bundle(env, poststop=poststop, prestart=prestart, script=script))
 
     def runc_cmd(self, *args: str) -> subprocess.CompletedProcess[str]:
         """``runc ARGS``, its output captured (for commands that start no container)."""
@@ -191,9 +192,12 @@ class Site:
         return leases
 
     def holders(self) -> dict[str, set[int]]:
-        """Container id → the GPU indexes its lease holds, from the ledger file."""
-        return {lease["container_id"]: {self._by_uuid[d.casefold()] for d in lease["devices"]}
-                for lease in self.leases()}
+        """Container id → the GPU indexes its lease holds (a MIG instance's parent for it), from the ledger file."""
+        def gpu(lease: dict[str, Any], device: str) -> int:
+            parent = next((r["gpu"] for r in lease.get("migs", ()) if r["uuid"] == device), device)
+            return self._by_uuid[parent.casefold()]
+
+        return {lease["container_id"]: {gpu(lease, d) for d in lease["devices"]} for lease in self.leases()}
 
     def gpuhook(self, *args: str) -> subprocess.CompletedProcess[str]:
         """``gpuhook --config CONFIG ARGS`` (as root, as an admin runs it)."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import pytest
 
@@ -73,6 +74,14 @@ def docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, relay: Path
     """A private dockerd: the gpuhook wrapper on its PATH (--gpus: gpuhook-relay under NVIDIA's name, served
     by a gpuhookd, as the packages install it), gpuhook-runtime as runtime "gpuhook"; the host's config with
     GPU 0 exclusive (POLICY) and a state_dir of its own."""
+    with private_docker(tmp_path_factory, host, relay, POLICY) as docker:
+        yield docker
+
+
+@contextlib.contextmanager
+def private_docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, relay: Path,
+                   policy: Sequence[Mapping[str, Any]]) -> Iterator[Docker]:
+    """The ``docker`` fixture's dockerd and gpuhookd, for *host* under *policy*."""
     if os.geteuid() != 0:
         pytest.fail("the docker tests start a real dockerd and must run as root (make test does)")
     if not os.access(RUNTIME_SCRIPT, os.X_OK):
@@ -81,7 +90,7 @@ def docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, relay: Path
     base = tmp_path_factory.mktemp("docker")
     calls = base / "hook-calls"
     state_dir = base / "state"
-    config = host.write_config(base / "gpuhook.yaml", state_dir=state_dir, gpus=POLICY)
+    config = host.write_config(base / "gpuhook.yaml", state_dir=state_dir, gpus=policy)
     nvidia_relay = relay_for(relay, "nvidia-container-runtime-hook")
     gpuhookd = Gpuhookd(sys.executable, base / "gpuhookd", config=config)
     try:

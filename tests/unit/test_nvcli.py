@@ -265,6 +265,6 @@ def test_list(host: FakeHost, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
 def test_request_fields_match_model() -> None:
     """Guard: if GpuRequest grows a field, this front-end must decide how argv sets it."""
     assert {f.name for f in dataclasses.fields(GpuRequest)} == {
-        "all_devices", "devices", "count", "capabilities", "requirements", "imex_channels", "gated", "mig_config",
-        "mig_monitor", "source", "raw",
+        "all_devices", "devices", "count", "mig_asks", "capabilities", "requirements", "imex_channels", "gated",
+        "mig_config", "mig_monitor", "source", "raw",
     }

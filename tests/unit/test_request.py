@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from gpuhook.request.grammar import (
     decode_channels, decode_devices, decode_mig_control, device_token, entries,
 )
 from gpuhook.request.model import (
-    ALL_CAPABILITIES, DEFAULT_CAPABILITIES, Capability, DeviceId, GpuIndex, GpuUuid, MigIndex, MigUuid, RequestSource,
+    ALL_CAPABILITIES, DEFAULT_CAPABILITIES, Capability, DeviceId, GpuIndex, GpuUuid, MigAsk, MigIndex, MigUuid,
+    RequestSource,
 )
 from gpuhook.request.parse import parse_capabilities, parse_request
 from gpuhook.request.quick import asks_for_gpu
@@ -463,10 +465,32 @@ def test_count_reaches_the_request_with_no_devices() -> None:
 
 
 
-def test_a_mig_profile_token_is_not_called_a_cdi_name() -> None:
-    """`0,mig=3g.20gb#instance1` (the guides' docker form) is refused for what it is, with the way to make the
-    instance by hand; it is not called a CDI device name."""
-    with pytest.raises(RequestError, match=r"asks for a MIG instance to be made") as refused:
-        decode_devices("0,mig=3g.20gb#instance1", source="NVIDIA_VISIBLE_DEVICES")
-    assert "nvidia-smi mig -i GPU -cgi 3g.20gb -C" in str(refused.value)
+@pytest.mark.parametrize(("raw", "devices", "asks"), [
+    ("0,mig=3g.20gb#instance1", (), (MigAsk(profile="3g.20gb", name="instance1", gpu=GpuIndex(0)),)),
+    ("mig=1g.5gb", (), (MigAsk(profile="1g.5gb"),)),
+    ("0,1,mig=1g.5gb+me", (GpuIndex(0),), (MigAsk(profile="1g.5gb+me", gpu=GpuIndex(1)),)),
+    # a run of asks after one GPU token is all on that GPU; a later GPU token is a GPU again
+    ("0,mig=1g.5gb,mig=2g.10gb#b,1", (GpuIndex(1),),
+     (MigAsk(profile="1g.5gb", gpu=GpuIndex(0)), MigAsk(profile="2g.10gb", name="b", gpu=GpuIndex(0)))),
+    ("0:1,mig=1g.10gb", (MigIndex(0, 1),), (MigAsk(profile="1g.10gb"),)),  # a MIG index is no GPU to apply to
+])
+def test_mig_asks_apply_to_the_gpu_token_before_them(raw: str, devices: tuple[object, ...],
+                                                     asks: tuple[MigAsk, ...]) -> None:
+    """`mig=PROFILE[#NAME]` applies to the GPU token right before it (that GPU is then not given whole)."""
+    decoded = decode_devices(raw, source="NVIDIA_VISIBLE_DEVICES")
+    assert decoded is not None
+    assert (decoded.devices, decoded.mig_asks) == (devices, asks)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ("0,mig=3g", "'mig=3g' is not a MIG instance request"),
+    ("0,mig=3g.20gb#", "is not a MIG instance request"),
+    ("0,mig=3g.20gb#a/b", "is not a MIG instance request"),
+    ("0,mig=3g.20gb#x,mig=1g.5gb#x", "one instance name is asked twice"),
+    ("count=2,mig=1g.5gb", "stand for the whole list"),
+])
+def test_malformed_mig_asks_are_refused_for_what_they_are(raw: str, message: str) -> None:
+    """A mig= entry outside the grammar is refused as a MIG request (never called a CDI name)."""
+    with pytest.raises(RequestError, match=re.escape(message)) as refused:
+        decode_devices(raw, source="NVIDIA_VISIBLE_DEVICES")
     assert "CDI" not in str(refused.value)

@@ -598,7 +598,7 @@ def test_ledger_round_trips_through_its_stored_form() -> None:
     stored = json.loads(json.dumps(to_object(ledger)))
     assert stored["format"] == 1
     assert stored["leases"][1] == {"container_id": "b", "devices": [_uuid(2)], "pid": 2, "start_ticks": 1002,
-                                   "since": "2026-12-01T11:59:55Z", "state": "active"}
+                                   "since": "2026-12-01T11:59:55Z", "state": "active", "migs": []}
     assert from_object(stored, source="leases.json") == ledger
     assert from_object(to_object(Ledger()), source="x") == Ledger()
 
