@@ -33,7 +33,7 @@ from gpuhook.apply import ChildForkedAhead, ContainerRef, change_rootfs, grant_d
 from gpuhook.config import Config, HealthPolicy, load_config, resolve_config_path
 from gpuhook.discovery import Found, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
-from gpuhook.errors import DiscoveryError, GpuHookError, PolicyError, SpecError
+from gpuhook.errors import DiscoveryError, GpuHookError, PolicyError, SpecError, StateError
 from gpuhook.inventory import Inventory, LiveNeeds, narrow_to_live
 from gpuhook.provision import leases, ledger_store
 from gpuhook.log import configure_logging, get_logger
@@ -143,7 +143,7 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
         request, holder = reserved.request, reserved.holder
         if reserved.made or live_needs(request, target) != live_needs(reserved.asked, target):
             # instances were made, or the allocation named MIG devices: their nodes and layout are read now
-            found = inventory_for(config, live_needs(request, target), recorded=reserved.made)
+            found = inventory_for(config, live_needs(request, target), recorded=_recorded(config))
             inventory = found.inventory
         plan = make_plan(request, inventory, found.live, target)
         _log_plan(plan)
@@ -282,23 +282,28 @@ def _reserve(config: Config, request: GpuRequest, found: Found, target: Target, 
     holder = leases.holder_of(container.pid, pidfd)
     inventory = narrow_to_live(found.inventory, found.live)
     policies = config.gpus.resolve(inventory.gpus)
-    taken = leases.take(state_dir, request, inventory, policies, container_id=container.id, holder=holder,
-                        unhealthy=_unhealthy(inventory, found, target))
+    try:
+        taken = leases.take(state_dir, request, inventory, policies, container_id=container.id, holder=holder,
+                            unhealthy=_unhealthy(inventory, found, target))
+    except GpuHookError:
+        _recycle(config, inventory)  # a refusal still destroys what the gone holders' leases had made
+        raise
     undo.callback(_drop, config, container.id, holder)
     get_logger().info("lease_reserved", devices=list(taken.allocation.devices), ms=_ms(step),
                       reclaimed=[lease.container_id for lease in taken.reclaimed])
     allocation = taken.allocation
+    if taken.to_recycle:
+        _recycle(config, inventory)  # the reclaimed leases' instances first: they may hold the room
     if not allocation.to_make:
         return _Reserved(request=allocation.request, holder=holder, made=(), asked=request)
-    _recycle(config, inventory)  # the reclaimed leases' instances first: they may hold the room
-    made = _make_migs(config, inventory, allocation, container.id, holder, policies, datetime.now(UTC))
+    made = _make_migs(config, inventory, allocation, container.id, holder, datetime.now(UTC))
     placed = dataclasses.replace(allocation.request, mig_asks=(),
                                  devices=allocation.request.devices + tuple(MigUuid(r.uuid) for r in made if r.uuid))
     return _Reserved(request=placed, holder=holder, made=made, asked=request)
 
 
 def _make_migs(config: Config, inventory: Inventory, allocation: Allocation, container_id: str, holder: Holder,
-               policies: Mapping[int, GpuPolicy], now: datetime) -> tuple[MigRecord, ...]:
+               now: datetime) -> tuple[MigRecord, ...]:
     """The MIG instances *allocation* leaves to make, made for *container_id*'s lease (logged one by one)."""
     from gpuhook.provision import mig
 
@@ -324,23 +329,38 @@ def _drop(config: Config, container_id: str, holder: Holder) -> None:
 
 
 def _recycle(config: Config, inventory: Inventory | None = None) -> None:
-    """Destroy the instances gpuhook made whose lease has ended (the ledger's ``recycle``), if there are any."""
+    """Destroy the instances gpuhook made whose lease has ended (the ledger's ``recycle``), if there are any.
+
+    Never raises: what cannot be destroyed now stays in ``recycle`` (logged), for the next reclaim.
+    """
     if config.state_dir is None or not ledger_store.read(config.state_dir).recycle:
         return
     from gpuhook.provision import mig
 
-    if inventory is None:
-        inventory = inventory_for(config, LiveNeeds()).inventory
-    for record in mig.recycle(config.state_dir, _nvml_library(inventory)):
-        get_logger().info("mig_destroyed", uuid=record.uuid, gpu=record.gpu, profile=record.profile, gi=record.gi,
-                          ci=record.ci, name=record.name)
+    log = get_logger()
+    try:
+        library = _nvml_library(inventory or inventory_for(config, LiveNeeds()).inventory)
+    except GpuHookError as err:
+        log.warning("mig_not_destroyed", error=str(err), why="the next reclaim tries again")
+        return
+    destroyed, failed = mig.recycle(config.state_dir, library)
+    for record in destroyed:
+        log.info("mig_destroyed", uuid=record.uuid, gpu=record.gpu, profile=record.profile, gi=record.gi,
+                 ci=record.ci, name=record.name)
+    for record, error in failed:
+        log.warning("mig_not_destroyed", uuid=record.uuid, gpu=record.gpu, gi=record.gi, error=error,
+                    why="the next reclaim tries again")
 
 
 def _recorded(config: Config) -> tuple[MigRecord, ...]:
-    """The MIG instances the ledger records (read without the lock): NVML told gpuhook their UUIDs."""
+    """The MIG instances the ledger records (read without the lock): NVML told gpuhook their UUIDs. None where
+    the ledger cannot be read (``gpuhook info`` as a user: a start, as root, reports a bad ledger itself)."""
     if config.state_dir is None:
         return ()
-    ledger = ledger_store.read(config.state_dir)
+    try:
+        ledger = ledger_store.read(config.state_dir)
+    except StateError:
+        return ()
     return tuple(r for lease in ledger.leases for r in lease.migs if r.uuid) + ledger.recycle
 
 

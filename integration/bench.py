@@ -198,9 +198,11 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
     only its own config, so each config gets its daemon (``daemon_for(config)``: its socket).
     """
     hosts = {n: create_host(work / f"host{n}", gpus=n) for n in (1, 8, 64)}
+    a100 = create_host(work / "a100", gpus=1, model="NVIDIA A100-SXM4-40GB", mig={0: ()})
     configs = work / "configs"
     configs.mkdir()
     cfg = {n: write_config(configs / f"host{n}.yaml", h, cache=True) for n, h in hosts.items()}
+    mig_cfg = write_config(configs / "a100-mig.yaml", a100, cache=True)
     no_cache = write_config(configs / "host8-nocache.yaml", hosts[8], cache=False)
     no_leases = write_config(configs / "host8-noleases.yaml", hosts[8], cache=True, leases=False)
 
@@ -228,6 +230,10 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
                  gpus(COMPUTE), hook(no_leases), cached=True),
         Scenario("no-gpu-poststop", "hook for prestart and poststop, container asks for no GPU", hosts[8],
                  hook_argv=hook(cfg[8]), poststop=True),
+        Scenario("mig-on-demand", "hook for prestart and poststop, MIG on demand: 0,mig=1g.5gb made at the "
+                 "start, destroyed at poststop (A100-40GB)", a100, ("NVIDIA_VISIBLE_DEVICES=0,mig=1g.5gb",
+                                                                    f"NVIDIA_DRIVER_CAPABILITIES={COMPUTE}"),
+                 hook(mig_cfg), poststop=True),
         Scenario("static8", "static floor: 8 GPUs' devices + mounts in config.json, no hook", hosts[8],
                  static=static_floor(python, cfg[8], gpus(COMPUTE), rootfs_src, work)),
         Scenario("python-floor", "reference: hook = `python -I -c pass` (interpreter floor)",
@@ -280,6 +286,8 @@ def _logged_timings(log: Path | None, offset: int) -> dict[str, float]:
             out["discovery_ms"] = event["ms"]
         elif event.get("event") == "lease_reserved":
             out["lease_ms"] = event["ms"]
+        elif event.get("event") == "mig_created":
+            out["mig_ms"] = event["ms"]
         elif event.get("event") == "applied":
             out["apply_ms"], out["total_ms"] = event["ms"], event["total_ms"]
             if event.get("served_by") == "gpuhookd":
@@ -338,9 +346,10 @@ def summarise(scenarios: Sequence[Scenario], samples: dict[str, Samples]) -> dic
         median = statistics.median(got.wall_ms)
         logged = {key: round(statistics.median(t[key] for t in got.log_ms), 1)
                   for key in ("discovery_ms", "apply_ms", "total_ms") if got.log_ms}
-        leased = [t["lease_ms"] for t in got.log_ms if "lease_ms" in t]
-        if leased:
-            logged["lease_ms"] = round(statistics.median(leased), 2)
+        for key in ("lease_ms", "mig_ms"):
+            found = [t[key] for t in got.log_ms if key in t]
+            if found:
+                logged[key] = round(statistics.median(found), 2)
         out[scenario.name] = {
             "title": scenario.title,
             "runs": len(got.wall_ms),
@@ -422,6 +431,8 @@ def markdown(report: dict[str, Any]) -> str:
         hook = "–" if r["hook_ms_median"] is None else f"{r['hook_ms_median']:.1f}"
         logged = r["hook_log_ms_median"]
         lease = f"{logged['lease_ms']:g}" if logged and "lease_ms" in logged else "–"
+        if logged and "mig_ms" in logged:
+            lease += f" + {logged['mig_ms']:g} making the instance"
         steps = ("–" if not logged else
                  f"{logged['discovery_ms']:g} / {lease} / {logged['apply_ms']:g} / {logged['total_ms']:g}")
         rss = "–" if r["hook_peak_rss_mib"] is None else f"{r['hook_peak_rss_mib']:.1f}"

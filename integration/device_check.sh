@@ -8,7 +8,8 @@
 # container under runc with NVIDIA_VISIBLE_DEVICES=0 five times with the hook in-process, five
 # times through a gpuhookd and five times with gpuhook-relay (.venv/bin) through that gpuhookd, and
 # shows what it sees (GPU 0 is exclusive: each run takes and gives back its lease; `gpuhook status`
-# after the runs must show no holder); figures go to $OUT.
+# after the runs must show no holder). Where GPU 0 is in MIG mode already, five runs ask for an
+# instance of its smallest profile on demand (made at the start, destroyed at poststop); figures go to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpuhook-device-check}
 # Overridable to rehearse the script on a simulated host: DRIVER_ROOT=DIR DEV_ROOT=DIR PROC_ROOT=DIR.
@@ -45,19 +46,21 @@ if [ -z "$ROOTFS_SRC" ] || [ ! -x "$RUNC" ]; then
 fi
 mkdir -p "$WORK/bundle"
 cp -a "$ROOTFS_SRC" "$WORK/bundle/rootfs"
-write_spec() {  # $1: the hook's --daemon-socket (none: in-process); $2: "relay" for gpuhook-relay
-"$PY" - "$WORK" "$PY" "$1" "${2:-}" <<'PYEOF'
+write_spec() {  # $1: the hook's --daemon-socket (none: in-process); $2: "relay" for gpuhook-relay; $3: devices
+"$PY" - "$WORK" "$PY" "$1" "${2:-}" "${3:-0}" <<'PYEOF'
 import json, sys
 from integration.engines import default_spec
-work, py, socket, relay = sys.argv[1:5]
+work, py, socket, relay, devices = sys.argv[1:6]
 argv = ["--config", f"{work}/gpuhook.yaml", "--daemon-socket", socket, "prestart"]
 program = [py.removesuffix("python") + "gpuhook-relay"] if relay else [py, "-I", "-m", "gpuhook"]
 hook = {"path": program[0], "args": program + argv, "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
 script = ("ls -l /dev/nvidia*; devopen /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm; "
           "dltest -p libcuda.so.1 libnvidia-ml.so.1; nvidia-smi -L; grep Modify /proc/driver/nvidia/params || echo no /proc/driver/nvidia")
 spec = default_spec("rootfs", ["/bin/sh", "-c", script],
-                    ["PATH=/usr/local/bin:/usr/bin:/bin", "NVIDIA_VISIBLE_DEVICES=0",
-                     "NVIDIA_DRIVER_CAPABILITIES=compute,utility"], hooks={"prestart": [hook]}, annotations={})
+                    ["PATH=/usr/local/bin:/usr/bin:/bin", f"NVIDIA_VISIBLE_DEVICES={devices}",
+                     "NVIDIA_DRIVER_CAPABILITIES=compute,utility"],
+                    hooks={"prestart": [hook], "poststop": [{**hook, "args": hook["args"][:-1] + ["poststop"]}]},
+                    annotations={})
 json.dump(spec, open(f"{work}/bundle/config.json", "w"))
 PYEOF
 }
@@ -84,3 +87,17 @@ echo "== the lease ledger after the runs (every holder exited: gpuhookd released
 "$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" status 2>&1 | tee "$OUT/status.txt"
 kill "$DAEMON"; wait "$DAEMON" 2>/dev/null
 grep -c '"served_by": "gpuhookd"' "$OUT/gpuhook.log" | sed 's/^/log events served by gpuhookd: /' | tee -a "$OUT/timings.txt"
+
+echo "== MIG on demand (only where GPU 0 is already in MIG mode: gpuhook never changes MIG mode)"
+MIG_MODE=$("$DRIVER_ROOT/bin/nvidia-smi" -i 0 --query-gpu=mig.mode.current --format=csv,noheader 2>/dev/null \
+           || nvidia-smi -i 0 --query-gpu=mig.mode.current --format=csv,noheader 2>/dev/null)
+if [ "$MIG_MODE" = "Enabled" ]; then
+  PROFILE=$("$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" info --json 2>/dev/null | "$PY" -c \
+            'import json, sys; print(json.load(sys.stdin)["gpus"][0]["mig_profiles"][0]["name"])')
+  write_spec none "" "0,mig=$PROFILE" && runs mig
+  echo "== NVML's MIG devices after the runs (gpuhook's are destroyed by poststop)"
+  (nvidia-smi -L 2>&1; "$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" status 2>&1) | tee "$OUT/mig.txt"
+  grep -E '"event": "mig_(created|destroyed)"' "$OUT/gpuhook.log" | tee -a "$OUT/mig.txt"
+else
+  echo "GPU 0's MIG mode: ${MIG_MODE:-unknown}; MIG on demand not exercised" | tee "$OUT/mig.txt"
+fi

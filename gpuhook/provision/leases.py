@@ -30,6 +30,8 @@ class Taken:
 
     allocation: Allocation
     reclaimed: tuple[Lease, ...]
+    #: MIG instances gpuhook made await destruction (the reclaimed leases', or a failed earlier try's)
+    to_recycle: bool = False
 
 
 def alive(holder: Holder) -> bool:
@@ -66,7 +68,7 @@ def take(state_dir: Path, request: GpuRequest, inventory: Inventory, policies: M
                                   unhealthy=unhealthy)
         except GpuHookError as err:
             return ledger, (err, stale)
-        taken = Taken(allocation=allocation, reclaimed=stale)
+        taken = Taken(allocation=allocation, reclaimed=stale, to_recycle=bool(ledger.recycle))
         if not allocation.devices and not allocation.to_make:
             return ledger, (taken, stale)
         lease = Lease(container_id=container_id, devices=allocation.devices, holder=holder, since=timestamp(now),

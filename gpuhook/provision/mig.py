@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from gpuhook.errors import GpuHookError, PolicyError, ProvisionError
+from gpuhook.errors import DiscoveryError, GpuHookError, PolicyError, ProvisionError
 from gpuhook.inventory import Gpu
 from gpuhook.nvml import mig as nvml_mig
 from gpuhook.nvml.session import session
@@ -123,22 +123,24 @@ def _forget(state_dir: Path, container_id: str, holder: Holder, record: MigRecor
     ledger_store.update(state_dir, lambda ledger: (ledger.forget_mig(container_id, holder, record), None))
 
 
-def recycle(state_dir: Path, library: Path) -> tuple[MigRecord, ...]:
-    """Destroy every instance in the ledger's ``recycle`` (those still there), then forget it; the ones destroyed.
-
-    Raises ProvisionError when NVML cannot destroy one (it stays in ``recycle`` for the next try).
-    """
-    destroyed = []
+def recycle(state_dir: Path, library: Path) -> tuple[tuple[MigRecord, ...], tuple[tuple[MigRecord, str], ...]]:
+    """Destroy every instance in the ledger's ``recycle`` (those still there), forgetting each once destroyed;
+    (the ones destroyed, (record, why) for those NVML could not destroy: they stay for the next try)."""
+    destroyed: list[MigRecord] = []
+    failed: list[tuple[MigRecord, str]] = []
     for record in ledger_store.read(state_dir).recycle:
-        with ledger_store.gpu_lock(state_dir, record.gpu):
-            ledger = ledger_store.read(state_dir)
-            if record not in ledger.recycle:
-                continue  # another process recycled it meanwhile
-            with session(library):
-                if _destroy(record, ledger):
-                    destroyed.append(record)
-            _recycled(state_dir, record)
-    return tuple(destroyed)
+        try:
+            with ledger_store.gpu_lock(state_dir, record.gpu):
+                ledger = ledger_store.read(state_dir)
+                if record not in ledger.recycle:
+                    continue  # another process recycled it meanwhile
+                with session(library):
+                    if _destroy(record, ledger):
+                        destroyed.append(record)
+                _recycled(state_dir, record)
+        except (ProvisionError, DiscoveryError) as err:
+            failed.append((record, str(err)))
+    return tuple(destroyed), tuple(failed)
 
 
 def _recycled(state_dir: Path, record: MigRecord) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from integration.engines import run_container, unique_id
-from integration.fakehost import FakeHost
+from integration.fakehost import FakeHost, create_host
 from integration.gpuhookd import Gpuhookd
 
 from .conftest import Progs
@@ -270,3 +270,75 @@ def wait_until_released(leasing: Leasing) -> None:
     while leasing.leases():
         assert time.monotonic() < deadline, f"gpuhookd left the lease after {SELF_RELEASE_S:g} s: {leasing.leases()}"
         time.sleep(0.02)
+
+
+# --- issue 16: a start killed around the making of its MIG instance leaves no instance -----------------
+
+#: Where the kill lands, in the order a MIG-on-demand start gets there (x86_64 syscalls). The mock NVML
+#: takes its change lock (opens mig-state.lock) once to make the GPU instance and once for the compute
+#: instance, as the driver serialises changes; the instance is recorded in the lease before either, and
+#: its ids after both (the ledger transaction opens leases.lock); the apply child then mknods nvidia0.
+#: Each with what the kill leaves: the record's state, and how many 3g.20gb still fit (2: no GI was made).
+MIG_STEPS = [
+    pytest.param("257=mig-state.lock", "creating", 2, id="recorded-not-made"),
+    pytest.param("257=mig-state.lock,257=mig-state.lock", "creating", 1, id="gpu-instance-made-compute-not"),
+    pytest.param("257=mig-state.lock,257=mig-state.lock,257=leases.lock", "creating", 1,
+                 id="made-not-yet-recorded"),
+    pytest.param("259=nvidia0", "ready", 1, id="made-and-recorded-apply-mknod"),
+    pytest.param("429", "ready", 1, id="made-and-recorded-apply-bind-mount"),
+]
+
+
+@pytest.fixture
+def mig_rig(tmp_path: Path, rootfs_src: Path, default_rules: frozenset[str]) -> Iterator[Rig]:
+    """A rig on an A100-40GB of its own, in MIG mode with no instances; hooks in-process."""
+    from tests.e2e.test_mig_on_demand import A100_40
+
+    host = create_host(tmp_path / "a100", gpus=1, model=A100_40, mig={0: ()})
+    (tmp_path / "rig").mkdir()
+    rig = Rig(tmp_path / "rig", host, rootfs_src, default_rules)
+    yield rig
+    rig.kill_leftovers()
+
+
+@pytest.mark.parametrize(("trigger", "recorded", "fit"), MIG_STEPS)
+def test_hook_killed_around_making_its_instance_leaves_none(mig_rig: Rig, report: tuple[Path, int],
+                                                            tmp_path_factory: pytest.TempPathFactory,
+                                                            trigger: str, recorded: str, fit: int) -> None:
+    """The in-process hook SIGKILLed at the step of a `0,mig=3g.20gb` start (no poststop, no gpuhookd): the
+    ledger holds its record as the step left it; once `gpuhook status` has reclaimed, NVML lists no
+    instance, the ledger holds no lease and no record, and the GPU's whole room is back (two 3g.20gb fit)."""
+    from tests.e2e.test_mig_on_demand import nvml_instances
+
+    path, fd = report
+    state_dir = tmp_path_factory.mktemp("migleases") / "state"
+    leasing = Leasing(mig_rig.config(state_dir=state_dir), state_dir)
+    hook = {"path": PYTHON, "args": [PYTHON, "-I", str(KILLAT), str(path), trigger, "hook", "--",
+                                     *hook_command(leasing.config)],
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+    container = mig_rig.container({"NVIDIA_VISIBLE_DEVICES": "0,mig=3g.20gb"}, GPU_PROBE, hook=hook)
+    result = run_container("runc", container.bundle, unique_id("gpuhook-attack"), timeout=30)
+    said = read_report(fd)
+    assert said.startswith("killed "), f"the kill never happened (the step was not reached): {said!r}\n{result.stderr}"
+    assert result.returncode != 0 and "@@start" not in result.stdout, result.stdout
+    assert not mig_rig.kill_leftovers(), "processes outlived the undo"
+    [lease] = leasing.leases()
+    assert [r["state"] for r in lease["migs"]] == [recorded], lease
+    assert free_3g(mig_rig.host) == fit
+    assert leasing.status_holders() == []
+    assert nvml_instances(mig_rig.host) == []
+    ledger = json.loads((state_dir / "leases.json").read_text())
+    assert ledger["leases"] == [] and ledger["recycle"] == []
+    assert free_3g(mig_rig.host) == 2, "the GPU's room did not come back"
+
+
+def free_3g(host: FakeHost) -> int:
+    """How many 3g.20gb GPU instances fit on GPU 0 now, as NVML says."""
+    script = ("import ctypes, sys, pynvml; pynvml.nvmlLib = ctypes.CDLL(sys.argv[1]); pynvml.nvmlInit(); "
+              "g = pynvml.nvmlDeviceGetHandleByIndex(0); "
+              "p = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(g, pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE).id; "
+              "print(pynvml.nvmlDeviceGetGpuInstanceRemainingCapacity(g, p))")
+    proc = subprocess.run([PYTHON, "-I", "-c", script, str(host.nvml_library)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout)

@@ -85,6 +85,12 @@ def mig_records(site: Site) -> list[dict[str, Any]]:
     return [r for lease in data["leases"] for r in lease["migs"]] + data.get("recycle", [])
 
 
+def events(host: FakeHost, container_id: str) -> list[dict[str, Any]]:
+    """The hook log's events of *container_id*."""
+    lines = (host.root / "gpuhook.log").read_text().splitlines()
+    return [e for line in lines if (e := json.loads(line)).get("container_id") == container_id]
+
+
 def caps_seen(started: Started) -> tuple[list[str], str]:
     """The caps nodes *started* lists, and what opening its nodes said."""
     assert started.returncode == 0, started.stderr
@@ -108,6 +114,13 @@ def test_named_instance_is_made_for_the_container_and_destroyed_after(site: Site
     status = site.status()
     assert status["mig_devices"] == [{"uuid": uuid, "gpu_index": 0, "profile": "3g.20gb", "name": "instance1",
                                       "created_by_gpuhook": True, "holder": a.id}]
+    # The instance is a live fact: a start that selects it by UUID plans from the cache, without NVML.
+    calls = len(a100.nvml_calls())
+    b = site.run({"NVIDIA_VISIBLE_DEVICES": uuid})
+    assert site.started(b) == {0}
+    assert [e["cache"] for e in events(a100, b.id) if e["event"] == "host_discovered"] == ["hit"]
+    assert len(a100.nvml_calls()) == calls, "the start after the instance was made asked NVML"
+    site.delete(b.id)
     site.delete(a.id)
     assert nvml_instances(a100) == []
     assert mig_records(site) == [] and site.leases() == []
@@ -174,15 +187,21 @@ def test_admin_instance_is_reused_when_free_and_kept_after(tmp_path: Path, rootf
 def test_killed_container_without_poststop_has_its_instance_destroyed_by_the_next_start(
         site: Site, a100: FakeHost) -> None:
     """kill -9 of a container registered without poststop (and no gpuhookd): its instance outlives it until the
-    next start reclaims the lease and destroys it; `gpuhook status` does the same for another."""
+    next start (any GPU start: here one for the other GPU, whole) reclaims the lease and destroys it;
+    `gpuhook status` does the same for another."""
     a = site.run({"NVIDIA_VISIBLE_DEVICES": "0,mig=4g.20gb"}, poststop=False)
     assert site.started(a) == {0}
     site.kill(a.id)
     assert len(nvml_instances(a100)) == 1  # nobody has noticed yet
-    b = site.run({"NVIDIA_VISIBLE_DEVICES": "0,mig=4g.20gb"}, poststop=False)  # fits only once a's is gone
+    other = site.run({"NVIDIA_VISIBLE_DEVICES": "1"})
+    assert site.started(other) == {1}
+    assert nvml_instances(a100) == [] and mig_records(site) == []
+    b = site.run({"NVIDIA_VISIBLE_DEVICES": "0,mig=4g.20gb"}, poststop=False)
     assert site.started(b) == {0}, b.stderr
     [(_, _, profile, uuid)] = nvml_instances(a100)
-    assert profile == "4g.20gb" and [lease["devices"] for lease in site.leases()] == [[uuid]]
+    assert profile == "4g.20gb"
+    assert {lease["container_id"]: lease["devices"] for lease in site.leases()} == {
+        other.id: [a100.gpus[1].uuid], b.id: [uuid]}
     site.kill(b.id)
     assert site.status()["mig_devices"] == []
     assert nvml_instances(a100) == [] and mig_records(site) == []
@@ -206,3 +225,20 @@ def test_mig_errors_say_the_fix(site: Site, value: str, needles: list[str]) -> N
     started = site.run({"NVIDIA_VISIBLE_DEVICES": value})
     site.refused(started, *needles)
     assert len([line for line in started.stderr.splitlines() if "gpuhook: " in line]) == 1, started.stderr
+
+
+def test_a_policy_instance_gives_a_request_for_the_gpu_an_instance(tmp_path: Path, a100: FakeHost,
+                                                                  rootfs_src: Path) -> None:
+    """GPU 0's policy says MIGMode {Enable: true, Instance: 1g.5gb}: NVIDIA_VISIBLE_DEVICES=0 gets a 1g.5gb
+    instance made for it (its two caps nodes), destroyed once the container is deleted."""
+    site = Site(tmp_path / "policy", a100, rootfs_src, [{"device": 0, "mig": {"enable": True, "instance": "1g.5gb"}}])
+    try:
+        a = site.run({"NVIDIA_VISIBLE_DEVICES": "0"}, script=PROBE)
+        caps, _ = caps_seen(a)
+        [(gi, ci, profile, _uuid)] = nvml_instances(a100)
+        assert profile == "1g.5gb"
+        assert caps == sorted([f"nvidia-cap{mig.gi_minor(0, gi)}", f"nvidia-cap{mig.ci_minor(0, gi, ci)}"])
+        site.delete(a.id)
+        assert nvml_instances(a100) == []
+    finally:
+        site.cleanup()
