@@ -35,12 +35,11 @@ _NONE_HERE = (*ABSENT, pynvml.NVMLError_NotFound, pynvml.NVMLError_InvalidArgume
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Profile:
-    """A GI profile of one GPU: its id, compute slices and legal placements (start, size in memory slices)."""
+    """A GI profile of one GPU: its name, id and compute slices."""
 
     name: str
     profile_id: int
     slices: int
-    placements: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,7 +78,7 @@ def mig_enabled(handle: Any) -> bool:
 
 
 def profiles(handle: Any) -> tuple[Profile, ...]:
-    """The GPU's GI profiles, each with its legal placements."""
+    """The GPU's GI profiles."""
     found = []
     for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
         try:
@@ -88,13 +87,12 @@ def profiles(handle: Any) -> tuple[Profile, ...]:
             continue
         except pynvml.NVMLError as err:
             raise ProvisionError(f"NVML nvmlDeviceGetGpuInstanceProfileInfo failed: {err}") from err
-        found.append(Profile(name=text(info.name).removeprefix("MIG "), profile_id=info.id, slices=info.sliceCount,
-                             placements=_placements(handle, info.id)))
+        found.append(Profile(name=text(info.name).removeprefix("MIG "), profile_id=info.id, slices=info.sliceCount))
     return tuple(found)
 
 
-def _placements(handle: Any, profile_id: int) -> tuple[tuple[int, int], ...]:
-    """Every legal placement of a profile, free or not (NVML lists them all)."""
+def placements(handle: Any, profile_id: int) -> tuple[tuple[int, int], ...]:
+    """Every legal placement (start, size in memory slices) of a profile, free or not (NVML lists them all)."""
     count = ctypes.c_uint(0)
     _nvml(pynvml.nvmlDeviceGetGpuInstancePossiblePlacements, handle, profile_id, None, ctypes.byref(count))
     array = (pynvml.c_nvmlGpuInstancePlacement_t * max(count.value, 1))()

@@ -76,8 +76,9 @@ def _make_on(state_dir: Path, handle: Any, gpu: Gpu, profile: nvml_mig.Profile, 
              ) -> Made | None:
     """The instance made on *gpu* at its first free placement NVML accepts; None when none is free."""
     occupied = [(g.start, g.size) for g in nvml_mig.gpu_instances(handle, (p.profile_id for p in profiles))]
-    size = profile.placements[0][1] if profile.placements else 0
-    for start in free_starts([s for s, _ in profile.placements], size, occupied):
+    legal = nvml_mig.placements(handle, profile.profile_id)
+    size = legal[0][1] if legal else 0
+    for start in free_starts([s for s, _ in legal], size, occupied):
         intent = MigRecord(gpu=gpu.uuid, profile=profile.name, name=pick.ask.name, created=True,
                            state=MigState.CREATING, profile_id=profile.profile_id, placement=start)
         _record(state_dir, container_id, holder, intent, request=request, now=now)

@@ -34,7 +34,8 @@ def make(name, start):
     with session(library):
         handle = nvml_mig.gpu(gpu)
         profile = next(p for p in nvml_mig.profiles(handle) if p.name == name)
-        return profile, nvml_mig.make(handle, profile, start, profile.placements[0][1])
+        size = nvml_mig.placements(handle, profile.profile_id)[0][1]
+        return profile, nvml_mig.make(handle, profile, start, size)
 
 def layout():
     with session(library):
