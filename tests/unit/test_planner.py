@@ -352,3 +352,16 @@ def test_required_libraries_only_bind_a_start_with_gpus() -> None:
     plan = make_plan(req(GpuIndex(0), caps={Capability.GRAPHICS}), no_libraries, LIVE, TARGET)
     assert plan.devices and "libGLX_nvidia.so" in {s.what for s in plan.skipped}
     assert make_plan(req(caps={Capability.COMPUTE}), no_libraries, LIVE, TARGET).devices[0].path == "/dev/nvidiactl"
+
+
+def test_a_whole_gpu_in_mig_mode_is_given_with_a_warning_naming_its_mig_devices() -> None:
+    """GPU 0 in MIG mode asked for whole: given (nvidia-smi sees it, as with NVIDIA's stack), with a warning
+    that CUDA sees none of it, its MIG devices, and what to ask for instead; `all` and GPU 1 get none."""
+    inv = inventory()
+    mig = MigDevice(parent_index=0, index=0, uuid="MIG-00000000-1111-2222-3333-444444444444", gi=1, ci=0,
+                    profile="3g.40gb")
+    inv = replace(inv, gpus=(replace(inv.gpus[0], mig_enabled=True), *inv.gpus[1:]), mig_devices=(mig,))
+    [warning] = make_plan(req(GpuIndex(0), GpuIndex(1)), inv, LiveFacts(mig_instances=frozenset()), TARGET).warnings
+    assert warning.startswith("GPU 0 (GPU-00000000-") and "is in MIG mode" in warning
+    assert f"0:0 ({mig.uuid}, 3g.40gb)" in warning and "0,mig=PROFILE" in warning
+    assert make_plan(req(all_devices=True), inv, LiveFacts(mig_instances=frozenset()), TARGET).warnings == ()
