@@ -31,7 +31,7 @@ from typing import Any
 
 from gpuhook.apply import ChildForkedAhead, ContainerRef, change_rootfs, grant_device_access, opened_container
 from gpuhook.config import Config, HealthPolicy, load_config, resolve_config_path
-from gpuhook.discovery import Found, inventory_for
+from gpuhook.discovery import Found, Outcome, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
 from gpuhook.errors import DiscoveryError, GpuHookError, PolicyError, SpecError, StateError
 from gpuhook.inventory import Inventory, LiveNeeds, narrow_to_live
@@ -46,6 +46,7 @@ from gpuhook.request.model import GpuRequest, MigUuid
 from gpuhook.request.parse import parse_request
 from gpuhook.sharing.allocate import Allocation, allocate
 from gpuhook.sharing.ledger import Holder, Lease, Ledger, MigRecord
+from gpuhook.sharing.mig import mode_may_be_stale
 from gpuhook.sharing.policy import GpuPolicy
 
 TYPE_CHECKING = False
@@ -130,6 +131,8 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
     step = time.monotonic()
     needs = live_needs(request, target)
     found = inventory_for(config, needs, recorded=_recorded(config) if needs.mig else ())
+    if request.mig_asks and found.outcome is Outcome.HIT and mode_may_be_stale(request, found.inventory):
+        found = inventory_for(config, needs, refresh=True, recorded=_recorded(config))  # MIG mode: NVML's word
     inventory = found.inventory
     log.info("host_discovered", driver=inventory.driver_version, gpus=len(inventory.gpus),
              cache=found.outcome.value, ms=_ms(step))

@@ -79,16 +79,10 @@ def mig_enabled(handle: Any) -> bool:
 
 def profiles(handle: Any) -> tuple[Profile, ...]:
     """The GPU's GI profiles."""
-    found = []
-    for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
-        try:
-            info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, index)
-        except _NONE_HERE:
-            continue
-        except pynvml.NVMLError as err:
-            raise ProvisionError(f"NVML nvmlDeviceGetGpuInstanceProfileInfo failed: {err}") from err
-        found.append(Profile(name=text(info.name).removeprefix("MIG "), profile_id=info.id, slices=info.sliceCount))
-    return tuple(found)
+    infos = (_maybe(pynvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, index)
+             for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT))
+    return tuple(Profile(name=text(info.name).removeprefix("MIG "), profile_id=info.id, slices=info.sliceCount)
+                 for info in infos if info is not None)
 
 
 def placements(handle: Any, profile_id: int) -> tuple[tuple[int, int], ...]:
@@ -106,12 +100,8 @@ def gpu_instances(handle: Any, profile_ids: Iterable[int]) -> tuple[GpuInstance,
     for profile_id in profile_ids:
         count = ctypes.c_uint(0)
         array = (pynvml.c_nvmlGpuInstance_t * _MAX_GI)()
-        try:
-            pynvml.nvmlDeviceGetGpuInstances(handle, profile_id, array, ctypes.byref(count))
-        except _NONE_HERE:
+        if _maybe(pynvml.nvmlDeviceGetGpuInstances, handle, profile_id, array, ctypes.byref(count)) is None:
             continue
-        except pynvml.NVMLError as err:
-            raise ProvisionError(f"NVML nvmlDeviceGetGpuInstances failed: {err}") from err
         for n in range(count.value):
             info = _nvml(pynvml.nvmlGpuInstanceGetInfo, array[n])
             found.append(GpuInstance(gi=info.id, profile_id=info.profileId, start=info.placement.start,
@@ -121,12 +111,7 @@ def gpu_instances(handle: Any, profile_ids: Iterable[int]) -> tuple[GpuInstance,
 
 def remaining(handle: Any, profile_id: int) -> int:
     """How many more GIs of the profile fit now."""
-    try:
-        return int(pynvml.nvmlDeviceGetGpuInstanceRemainingCapacity(handle, profile_id))
-    except _NONE_HERE:
-        return 0
-    except pynvml.NVMLError as err:
-        raise ProvisionError(f"NVML nvmlDeviceGetGpuInstanceRemainingCapacity failed: {err}") from err
+    return int(_maybe(pynvml.nvmlDeviceGetGpuInstanceRemainingCapacity, handle, profile_id) or 0)
 
 
 class NoRoom(Exception):  # noqa: N818  (a signal between two functions here, never shown)
@@ -182,22 +167,25 @@ def find(handle: Any, profile_id: int, start: int) -> int | None:
 
 def destroy(handle: Any, gi: int) -> bool:
     """Destroy GI *gi* and its CIs (CIs first); False when there is no such GI (already gone)."""
-    try:
-        instance = pynvml.nvmlDeviceGetGpuInstanceById(handle, gi)
-    except _NONE_HERE:
+    instance = _maybe(pynvml.nvmlDeviceGetGpuInstanceById, handle, gi)
+    if instance is None:
         return False
-    except pynvml.NVMLError as err:
-        raise ProvisionError(f"NVML nvmlDeviceGetGpuInstanceById({gi}) failed: {err}") from err
     for ci in range(_MAX_CI):
-        try:
-            compute = pynvml.nvmlGpuInstanceGetComputeInstanceById(instance, ci)
-        except _NONE_HERE:
-            continue
-        except pynvml.NVMLError as err:
-            raise ProvisionError(f"NVML nvmlGpuInstanceGetComputeInstanceById({ci}) failed: {err}") from err
-        _nvml(pynvml.nvmlComputeInstanceDestroy, compute)
+        compute = _maybe(pynvml.nvmlGpuInstanceGetComputeInstanceById, instance, ci)
+        if compute is not None:
+            _nvml(pynvml.nvmlComputeInstanceDestroy, compute)
     _nvml(pynvml.nvmlGpuInstanceDestroy, instance)
     return True
+
+
+def _maybe(fn: Any, *args: Any) -> Any:
+    """A pynvml call's answer, or None where NVML says there is no such thing (not a failure)."""
+    try:
+        return fn(*args)
+    except _NONE_HERE:
+        return None
+    except pynvml.NVMLError as err:
+        raise ProvisionError(f"NVML {fn.__name__} failed: {err}") from err
 
 
 def _nvml(fn: Any, *args: Any) -> Any:

@@ -42,22 +42,21 @@ def make(state_dir: Path, library: Path, request: GpuRequest, pick: MigPick, *, 
          now: datetime) -> Made:
     """An instance for *pick* made on the first of its candidates with room and leased to *container_id*.
 
-    Raises PolicyError (MIG mode off, no such profile: said for the only GPU asked), BusyError (no
-    room, or the name was taken meanwhile) or ProvisionError (NVML failed).
+    Raises PolicyError (NVML says MIG mode is off, or the profile unknown, on every candidate), BusyError
+    (no room, or the name was taken meanwhile) or ProvisionError (NVML failed).
     """
     tried: list[GpuMigRoom] = []
+    refused: list[str] = []  # GPUs NVML says cannot have it at all (the cached inventory was behind)
     for gpu in pick.candidates:
         with ledger_store.gpu_lock(state_dir, gpu.uuid), session(library):
             handle = nvml_mig.gpu(gpu.uuid)
             if not nvml_mig.mig_enabled(handle):
-                if len(pick.candidates) == 1:
-                    raise PolicyError(f"{request.source}={request.raw!r}: {not_in_mig_mode(gpu)}")
+                refused.append(not_in_mig_mode(gpu))
                 continue
             profiles = nvml_mig.profiles(handle)
             profile = next((p for p in profiles if p.name == pick.ask.profile), None)
             if profile is None:
-                if len(pick.candidates) == 1:
-                    raise PolicyError(f"{request.source}={request.raw!r}: {unknown_profile(pick.ask.profile, (gpu,))}")
+                refused.append(unknown_profile(pick.ask.profile, (gpu,)))
                 continue
             made = _make_on(state_dir, handle, gpu, profile, pick, container_id=container_id, holder=holder,
                             profiles=profiles, now=now, request=request)
@@ -68,6 +67,8 @@ def make(state_dir: Path, library: Path, request: GpuRequest, pick: MigPick, *, 
                 gpu=gpu, instances=tuple((g.gi, names.get(g.profile_id, "?"))
                                          for g in nvml_mig.gpu_instances(handle, names)),
                 fits=tuple((p.name, n) for p in profiles if (n := nvml_mig.remaining(handle, p.profile_id)))))
+    if not tried:
+        raise PolicyError(f"{request.source}={request.raw!r}: {'; '.join(refused)}")
     raise no_room(request, pick.ask, tried, ledger_store.read(state_dir), now)
 
 

@@ -160,13 +160,24 @@ def no_room(request: GpuRequest, ask: MigAsk, tried: Sequence[GpuMigRoom], ledge
                      "(`nvidia-smi mig -dci -ci C -gi G -i GPU` then `-dgi -gi G`)")
 
 
+def mode_may_be_stale(request: GpuRequest, inventory: Inventory) -> bool:
+    """Whether an ask would be refused for MIG mode off by *inventory* (cached: MIG mode may have been enabled
+    since, which changes nothing else the cache sees), so that it is asked of NVML again first."""
+    for ask in request.mig_asks:
+        gpu = gpu_named(ask.gpu, inventory.gpus) if ask.gpu is not None else None
+        if (gpu is not None and not gpu.mig_enabled) or (ask.gpu is None and not any(
+                g.mig_enabled for g in inventory.gpus)):
+            return True
+    return False
+
+
 def with_policy_instances(request: GpuRequest, inventory: Inventory, policies: Mapping[int, GpuPolicy]) -> GpuRequest:
     """*request* with each whole GPU whose policy says ``MIGMode: {Enable: true, Instance: P}`` asking for a P
     instance on it instead (``mig=P`` after it)."""
     kept: list[DeviceId] = []
     asks = list(request.mig_asks)
     for device in request.devices:
-        gpu = _gpu_named(device, inventory.gpus)
+        gpu = gpu_named(device, inventory.gpus)
         mode = policies[gpu.index].mig if gpu is not None else None
         if gpu is not None and mode is not None and mode.enable and mode.instance:
             asks.append(MigAsk(profile=mode.instance, gpu=GpuIndex(gpu.index)))
@@ -177,7 +188,7 @@ def with_policy_instances(request: GpuRequest, inventory: Inventory, policies: M
     return replace(request, devices=tuple(kept), mig_asks=tuple(asks))
 
 
-def _gpu_named(device: DeviceId, gpus: Sequence[Gpu]) -> Gpu | None:
+def gpu_named(device: DeviceId, gpus: Sequence[Gpu]) -> Gpu | None:
     """The GPU a GPU index or UUID token names (None: another token, or no such GPU)."""
     match device:
         case GpuIndex(index):

@@ -14,7 +14,7 @@ from gpuhook.inventory import Gpu, HostDevice, Inventory, MigDevice, MigProfile
 from gpuhook.request.model import Capability, GpuIndex, GpuRequest, MigAsk, MigUuid
 from gpuhook.sharing.allocate import allocate
 from gpuhook.sharing.ledger import Holder, Lease, Ledger, MigRecord, MigState, from_object, timestamp, to_object
-from gpuhook.sharing.mig import free_starts, with_recorded
+from gpuhook.sharing.mig import free_starts, mode_may_be_stale, with_recorded
 from gpuhook.sharing.policy import GpuPolicy, MigMode, Sharing
 
 NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
@@ -202,3 +202,13 @@ def test_recorded_instances_join_the_inventory_after_their_parents_others() -> N
     assert [(m.parent_index, m.uuid) for m in merged.mig_devices] == [(0, made.uuid), (1, _admin(1, 2).uuid)]
     assert merged.mig_devices[0].profile == "3g.20gb"
     assert with_recorded(inventory, ()) is inventory
+
+
+def test_mig_mode_off_in_the_cache_is_asked_of_nvml_again() -> None:
+    """MIG mode can be enabled without changing anything the cache's identity sees: an ask the cached
+    inventory would refuse for MIG mode off (on its GPU, or on every GPU) sends the start to NVML first."""
+    inventory = host(True, False)
+    assert not mode_may_be_stale(ask("0,mig=1g.5gb", MigAsk(profile="1g.5gb", gpu=GpuIndex(0))), inventory)
+    assert mode_may_be_stale(ask("1,mig=1g.5gb", MigAsk(profile="1g.5gb", gpu=GpuIndex(1))), inventory)
+    assert not mode_may_be_stale(ask("mig=1g.5gb", MigAsk(profile="1g.5gb")), inventory)
+    assert mode_may_be_stale(ask("mig=1g.5gb", MigAsk(profile="1g.5gb")), host(False, False))
