@@ -84,11 +84,16 @@ class Config:
     gpus: Policy = NO_POLICY
     #: a device-policy file (``{"Devices": [...]}``, JSON or YAML) instead of ``gpus:``
     device_policy: Path | None = None
+    #: the host's CUDA MPS pipe directory (NVIDIA's hook takes ``$CUDA_MPS_PIPE_DIRECTORY`` from its own
+    #: environment, else this default): a compute container gets it at the same path while it exists;
+    #: None: never
+    mps_pipe_directory: Path | None = Path("/tmp/nvidia-mps")
 
 
 _FIELDS: Final = {f.name: f for f in dataclasses.fields(Config)}
 _PATH_KEYS: Final = ("driver_root", "dev_root", "proc_root", "ldconfig")
-_OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir", "state_dir", "device_policy")  # null disables the feature
+#: null disables the feature
+_OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir", "state_dir", "device_policy", "mps_pipe_directory")
 _BOOL_KEYS: Final = (
     "accept_envvar_when_unprivileged", "accept_volume_mounts", "accept_cdi_annotations", "no_cgroups", "cuda_compat",
 )

@@ -227,6 +227,8 @@ class LiveNeeds:
     xids: bool = False
     #: the MIG layout and capability nodes (the request may select MIG devices or MIG capabilities)
     mig: bool = False
+    #: the host's MPS pipe directory (the request asks for compute)
+    mps: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -242,6 +244,8 @@ class LiveFacts:
     mig_instances: frozenset[MigInstance] | None = None
     #: /dev/nvidia-caps/nvidia-capN nodes (name "nvidia-caps/nvidia-capN"): made as MIG instances are
     caps_nodes: tuple[HostDevice, ...] = ()
+    #: the host's MPS pipe directory (name: its path, the same in the container), while an MPS daemon has one
+    mps_pipe: DriverFile | None = None
 
 
 def mig_instance(inventory: Inventory, mig: MigDevice) -> MigInstance:

@@ -329,7 +329,8 @@ def _apply_in_container(
                 fs.mknod(node.path, node.major, node.minor, node.mode)
         for mount, tree in zip(plan.mounts, trees, strict=True):
             with _step("mount", mount.target):
-                fs.attach(tree, fs.mount_target(mount.target), mount.target)
+                target = fs.directory(mount.target) if mount.directory else fs.mount_target(mount.target)
+                fs.attach(tree, target, mount.target)
         for link in plan.symlinks:
             with _step("symlink", link.path):
                 if not fs.symlink(link.path, link.target):
@@ -443,7 +444,8 @@ def _host_tree(mount: BindMount) -> int:
     flags = syscalls.OPEN_TREE_CLONE | syscalls.OPEN_TREE_CLOEXEC | syscalls.AT_SYMLINK_NOFOLLOW
     try:
         fd = syscalls.open_tree(-100, mount.source, flags)  # AT_FDCWD
-        attrs = syscalls.MOUNT_ATTR_RDONLY | syscalls.MOUNT_ATTR_NOSUID | syscalls.MOUNT_ATTR_NODEV
+        attrs = (0 if mount.writable else syscalls.MOUNT_ATTR_RDONLY) | syscalls.MOUNT_ATTR_NOSUID \
+            | syscalls.MOUNT_ATTR_NODEV
         syscalls.mount_setattr(fd, attrs | (syscalls.MOUNT_ATTR_NOEXEC if mount.noexec else 0), what=mount.source)
     except OSError as err:
         raise ApplyError("open host file", mount.source, errno_=err.errno) from err

@@ -21,7 +21,7 @@ from gpuhook.config import Config
 from gpuhook.discovery.health import read_xids
 from gpuhook.discovery.hostroot import HostRoot
 from gpuhook.discovery.nodes import caps_nodes, extra_nodes
-from gpuhook.inventory import LiveFacts, LiveNeeds, MigInstance
+from gpuhook.inventory import DriverFile, LiveFacts, LiveNeeds, MigInstance
 
 CAPABILITIES: Final = "proc/driver/nvidia/capabilities"
 _COMPUTE_INSTANCE: Final = re.compile(r"gpu([0-9]+)/mig/gi([0-9]+)/ci([0-9]+)/access")
@@ -54,4 +54,28 @@ def read_live(config: Config, needs: LiveNeeds) -> LiveFacts:
         xid_errors=read_xids(config.dev_root) if needs.xids else (),
         mig_instances=read_mig_layout(config.proc_root) if needs.mig else None,
         caps_nodes=caps_nodes(config.dev_root) if needs.mig else (),
+        mps_pipe=mps_pipe(config.driver_root, config.mps_pipe_directory) if needs.mps else None,
     )
+
+
+def mps_pipe(driver_root: Path, directory: Path | None) -> DriverFile | None:
+    """The MPS pipe directory under the driver root, if it is one root owns and only root can write.
+
+    It is mounted read-write into containers, and it usually lives in the world-writable /tmp: a
+    directory (or a symlink) someone else made there is never mounted. The sticky /tmp keeps a
+    root-owned one from being swapped after this check; the mount opens it without following a
+    symlink.
+    """
+    if directory is None:
+        return None
+    parent = HostRoot(driver_root).resolve(str(directory.parent).lstrip("/") or ".")
+    if parent is None:
+        return None
+    path = parent[0] / directory.name
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        return None
+    return DriverFile(name=str(directory), host_path=path)

@@ -24,6 +24,10 @@ class BindMount:
     source: str
     target: str
     noexec: bool = False
+    #: a directory (mounted on a directory made at *target*) rather than a file
+    directory: bool = False
+    #: read-write: the MPS pipe directory, whose clients make their pipes in it (NVIDIA's too, since 1.18.2)
+    writable: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -74,6 +74,7 @@ def live_needs(request: GpuRequest, target: Target | None = None) -> LiveNeeds:
         # "all" selects every MIG device too (select_devices)
         mig=(request.all_devices or request.mig_config or request.mig_monitor or bool(request.mig_asks)
              or any(isinstance(d, MigIndex | MigUuid) for d in request.devices)),
+        mps=Capability.COMPUTE in request.capabilities,
     )
 
 
@@ -201,7 +202,7 @@ def make_plan(request: GpuRequest, inventory: Inventory, live: LiveFacts, target
     libraries32 = (_libraries(inventory.libraries32, caps, target.libs32_dir, skipped, bits="32-bit ")
                    if Capability.COMPAT32 in caps else ())
     mounts = (libraries + libraries32 + _binaries(inventory, caps, skipped) + _firmware(inventory, caps)
-              + _ipc(inventory, caps) + _configs(inventory, caps))
+              + _ipc(inventory, caps) + _mps_pipe(live, caps) + _configs(inventory, caps))
     mounted = {m.target for m in libraries}
     symlinks = tuple(
         Symlink(path=container_path(target.libs_dir, link), target=dest.format(version=inventory.driver_version))
@@ -326,6 +327,15 @@ def _ipc(inventory: Inventory, caps: frozenset[Capability]) -> tuple[BindMount, 
         for f in inventory.ipc
         if catalog.IPC_SOCKETS.get(f.name.lstrip("/")) in caps
     )
+
+
+def _mps_pipe(live: LiveFacts, caps: frozenset[Capability]) -> tuple[BindMount, ...]:
+    """The host's MPS pipe directory for compute, at the same path, read-write (its clients make pipes in
+    it), nosuid, nodev, noexec: as NVIDIA's hook mounts it (libnvidia-container lookup_ipcs)."""
+    pipe = live.mps_pipe
+    if pipe is None or Capability.COMPUTE not in caps:
+        return ()
+    return (BindMount(source=str(pipe.host_path), target=pipe.name, noexec=True, directory=True, writable=True),)
 
 
 def _proc_driver(inventory: Inventory, device_plan: DevicePlan, skipped: list[Skipped]) -> ProcDriverMount | None:

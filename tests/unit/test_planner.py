@@ -306,13 +306,14 @@ def test_mig_without_the_layout_read_is_a_programming_error() -> None:
 @pytest.mark.parametrize(
     ("request_", "target", "needs"),
     [
-        pytest.param(req(GpuIndex(0)), None, LiveNeeds(), id="whole-gpu-devices-only"),
-        pytest.param(req(GpuIndex(0)), TARGET, LiveNeeds(xids=True), id="whole-gpu-health"),
-        pytest.param(req(GpuIndex(0)), Target(libs_dir=LIBS, unhealthy_gpus=HealthPolicy.IGNORE), LiveNeeds(),
+        pytest.param(req(GpuIndex(0)), None, LiveNeeds(mps=True), id="whole-gpu-devices-only"),
+        pytest.param(req(GpuIndex(0), caps={Capability.UTILITY}), None, LiveNeeds(), id="utility-only-no-mps-pipe"),
+        pytest.param(req(GpuIndex(0)), TARGET, LiveNeeds(xids=True, mps=True), id="whole-gpu-health"),
+        pytest.param(req(GpuIndex(0)), Target(libs_dir=LIBS, unhealthy_gpus=HealthPolicy.IGNORE), LiveNeeds(mps=True),
                      id="health-ignored"),
-        pytest.param(req(MigIndex(0, 1)), None, LiveNeeds(mig=True), id="mig-index"),
-        pytest.param(req(MigUuid("MIG-x")), None, LiveNeeds(mig=True), id="mig-uuid"),
-        pytest.param(req(all_devices=True), None, LiveNeeds(mig=True), id="all"),
+        pytest.param(req(MigIndex(0, 1)), None, LiveNeeds(mig=True, mps=True), id="mig-index"),
+        pytest.param(req(MigUuid("MIG-x")), None, LiveNeeds(mig=True, mps=True), id="mig-uuid"),
+        pytest.param(req(all_devices=True), None, LiveNeeds(mig=True, mps=True), id="all"),
         pytest.param(GpuRequest(all_devices=False, devices=(GpuIndex(0),), capabilities=frozenset(), mig_monitor=True),
                      None, LiveNeeds(mig=True), id="mig-monitor"),
         pytest.param(GpuRequest(all_devices=False, devices=(), capabilities=frozenset(), imex_channels=(1,)),
@@ -322,7 +323,8 @@ def test_mig_without_the_layout_read_is_a_programming_error() -> None:
     ],
 )
 def test_live_needs(request_: GpuRequest, target: Target | None, needs: LiveNeeds) -> None:
-    """A start reads only what its plan looks at: MIG facts for MIG requests and all, Xids when health counts."""
+    """A start reads only what its plan looks at: MIG facts for MIG requests and all, Xids when health counts,
+    the MPS pipe directory for compute."""
     assert live_needs(request_, target) == needs
 
 
