@@ -1,5 +1,9 @@
 """A simulated NVIDIA GPU host: driver libraries, mock NVML, /dev and /proc in one directory.
 
+Its usr/bin/nvidia-cuda-mps-control is a working stand-in for NVIDIA's MPS
+control daemon (mpscontrol.c: -d, client mode, the real commands, pipe
+directory and control.log); the other driver tools are inert scripts.
+
 gpuhook reaches it through its ordinary settings: driver_root, dev_root and
 proc_root all point at the host's directory (see FakeHost.config_path).
 """

@@ -14,6 +14,9 @@ LIB_DIR = "usr/lib/x86_64-linux-gnu"
 #: The 32-bit (i386) copies NVIDIA's installer puts beside the 64-bit ones, for NVIDIA_DRIVER_CAPABILITIES=compat32.
 LIB32_DIR = "usr/lib/i386-linux-gnu"
 MOCK_NVML_SOURCE = Path(__file__).with_name("mocknvml.c")
+MPS_CONTROL_SOURCE = Path(__file__).with_name("mpscontrol.c")
+#: Where the driver installs the MPS control daemon, relative to root.
+MPS_CONTROL = "usr/bin/nvidia-cuda-mps-control"
 
 # Marks a SONAME whose suffix is the full driver version (libnvidia-glcore.so.550.54.15).
 VER = "VER"
@@ -152,6 +155,22 @@ def _build_mock_nvml(gcc: str, driver: str, lib_dir: Path) -> None:
             str(MOCK_NVML_SOURCE),
         ]
     )
+
+
+def build_mps_control(out: Path) -> None:
+    """Compiles mpscontrol.c, the nvidia-cuda-mps-control stand-in, to *out* (0755).
+
+    Linked statically where this machine has a static libc, so the program runs
+    in any root it is copied or chrooted into; dynamically otherwise.
+    """
+    gcc = _gcc()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [gcc, "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(out), str(MPS_CONTROL_SOURCE)]
+    try:
+        _run([*argv, "-static"])
+    except BuildError:  # no libc.a here
+        _run(argv)
+    out.chmod(0o755)
 
 
 def _build_placeholder32(gcc: str, lib: DriverLibrary, driver: str, lib_dir: Path, libc: Path) -> None:
