@@ -50,6 +50,12 @@ BINARIES: Final[Mapping[Capability, tuple[str, ...]]] = MappingProxyType({
 ALL_BINARIES: Final = tuple(b for names in BINARIES.values() for b in names)
 
 #: IPC sockets (host path relative to the driver root) and the capability that mounts them.
+#: Where CUDA looks for the MPS control daemon's pipes when CUDA_MPS_PIPE_DIRECTORY is unset: where a container
+#: gets the pipe directory of the MPS daemon gpuhook runs for its GPU, so that images need no variable.
+MPS_PIPE_DIRECTORY: Final = "/tmp/nvidia-mps"
+#: The MPS daemon's binary, in the driver root (never the container's).
+MPS_CONTROL: Final = "nvidia-cuda-mps-control"
+
 IPC_SOCKETS: Final[Mapping[str, Capability]] = MappingProxyType({
     "run/nvidia-persistenced/socket": Capability.UTILITY,
     "run/nvidia-fabricmanager/socket": Capability.UTILITY,

@@ -67,6 +67,8 @@ class Gpu:
     health: tuple[str, ...] = ()
     #: persistence mode, when NVML reports it (off: every NVML start pays the driver's initialisation)
     persistence: bool | None = None
+    #: total device memory in MiB (NVML's), where reported: MPS's default per-client limit is a share of it
+    memory_mib: int | None = None
     #: MIG mode is enabled now (the current mode, not the pending one)
     mig_enabled: bool = False
     #: the GPU-instance profiles NVML lists for it, MIG mode on or off (empty: the GPU has no MIG)
@@ -168,7 +170,7 @@ class Inventory:
             "cuda_version": self.cuda_version,
             "gpus": [{"index": g.index, "uuid": g.uuid, "minor": g.minor, "pci_bus_id": g.pci_bus_id,
                       "model": g.model, "brand": g.brand, "arch": g.arch, "health": list(g.health),
-                      "persistence": g.persistence, "mig_enabled": g.mig_enabled,
+                      "persistence": g.persistence, "memory_mib": g.memory_mib, "mig_enabled": g.mig_enabled,
                       "mig_profiles": [_profile_dict(p) for p in g.mig_profiles]}
                      for g in self.gpus],
             "gpu_nodes": [_device_dict(n) for n in self.gpu_nodes],
@@ -246,6 +248,8 @@ class LiveFacts:
     caps_nodes: tuple[HostDevice, ...] = ()
     #: the host's MPS pipe directory (name: its path, the same in the container), while an MPS daemon has one
     mps_pipe: DriverFile | None = None
+    #: the /dev/shm the MPS daemon shares with its clients (gpuhook's daemons only; name "/dev/shm")
+    mps_shm: DriverFile | None = None
 
 
 def mig_instance(inventory: Inventory, mig: MigDevice) -> MigInstance:
@@ -345,6 +349,7 @@ def _gpu(data: Any) -> Gpu:
                pci_bus_id=_get(data, "pci_bus_id", str), model=_get(data, "model", str),
                brand=_get(data, "brand", str), arch=_get(data, "arch", str),
                health=_items(data, "health", _str), persistence=_get(data, "persistence", (bool, type(None))),
+               memory_mib=_get(data, "memory_mib", (int, type(None))),
                mig_enabled=_get(data, "mig_enabled", bool), mig_profiles=_items(data, "mig_profiles", _profile))
 
 

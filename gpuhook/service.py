@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuhook import catalog
 from gpuhook.apply import ChildForkedAhead, ContainerRef, change_rootfs, grant_device_access, opened_container
 from gpuhook.config import Config, HealthPolicy, load_config, resolve_config_path
 from gpuhook.discovery import Found, Outcome, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
 from gpuhook.errors import DiscoveryError, GpuHookError, PolicyError, SpecError, StateError
-from gpuhook.inventory import Inventory, LiveNeeds, narrow_to_live
+from gpuhook.inventory import DriverFile, Gpu, Inventory, LiveNeeds, narrow_to_live
 from gpuhook.provision import leases, ledger_store
 from gpuhook.log import configure_logging, get_logger
 from gpuhook.oci.spec import BundleSpec, spec_from_object
@@ -45,9 +46,9 @@ from gpuhook.planning.planner import Target, live_needs, make_plan, plan_devices
 from gpuhook.request.model import GpuRequest, MigUuid
 from gpuhook.request.parse import parse_request
 from gpuhook.sharing.allocate import Allocation, allocate
-from gpuhook.sharing.ledger import Holder, Lease, Ledger, MigRecord
+from gpuhook.sharing.ledger import Holder, Lease, Ledger, MigRecord, MpsDaemon
 from gpuhook.sharing.mig import mode_may_be_stale
-from gpuhook.sharing.policy import GpuPolicy
+from gpuhook.sharing.policy import GpuPolicy, Sharing, client_limits
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -148,6 +149,10 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
             # instances were made, or the allocation named MIG devices: their nodes and layout are read now
             found = inventory_for(config, live_needs(request, target), recorded=_recorded(config))
             inventory = found.inventory
+        if reserved.mps is not None:  # its daemon's pipes and shared memory, in place of the host's
+            found = dataclasses.replace(found, live=dataclasses.replace(
+                found.live, mps_pipe=DriverFile(name=catalog.MPS_PIPE_DIRECTORY, host_path=Path(reserved.mps.pipe_dir)),
+                mps_shm=DriverFile(name="/dev/shm", host_path=Path(reserved.mps.shm_dir))))
         plan = make_plan(request, inventory, found.live, target)
         _log_plan(plan)
         step = time.monotonic()
@@ -188,7 +193,7 @@ def stop(config: Config, state_obj: Mapping[str, Any], *, served_by: str) -> Non
     released, kept = leases.release_if_gone(config.state_dir, container_id)
     if released is not None:
         log.info("lease_released", devices=list(released.devices), why="poststop")
-        _recycle(config)
+        _host_cleanup(config)
     elif kept is not None:
         log.warning("lease_kept", pid=kept.holder.pid, why="its holder still runs; released when it exits")
 
@@ -200,7 +205,7 @@ def release(config: Config, container_id: str) -> Lease | None:
     lease = leases.release(config.state_dir, container_id)
     if lease is not None:
         get_logger().info("lease_released", container_id=container_id, devices=list(lease.devices), why="by hand")
-        _recycle(config)
+        _host_cleanup(config)
     return lease
 
 
@@ -212,8 +217,8 @@ def reclaim_gone(config: Config) -> tuple[Ledger, tuple[Lease, ...]]:
     for lease in stale:
         get_logger().info("lease_released", container_id=lease.container_id, devices=list(lease.devices),
                           pid=lease.holder.pid, why="holder gone", served_by="status")
-    if ledger.recycle:
-        _recycle(config)
+    if ledger.recycle or ledger.idle_daemons():
+        _host_cleanup(config)
         ledger = ledger_store.read(config.state_dir)
     return ledger, stale
 
@@ -226,7 +231,7 @@ def release_gone(config: Config, container_id: str) -> None:
     if released is not None:
         get_logger().info("lease_released", container_id=container_id, devices=list(released.devices),
                           pid=released.holder.pid, why="holder exited", served_by="gpuhookd")
-        _recycle(config)
+        _host_cleanup(config)
 
 
 def lease_holders(config: Config) -> tuple[Lease, ...]:
@@ -266,6 +271,8 @@ class _Reserved:
     holder: Holder | None
     made: tuple[MigRecord, ...]
     asked: GpuRequest
+    #: the MPS daemon of the GPU it holds under ``sharing: mps``
+    mps: MpsDaemon | None = None
 
 
 def _reserve(config: Config, request: GpuRequest, found: Found, target: Target, container: Container, pidfd: int,
@@ -289,20 +296,50 @@ def _reserve(config: Config, request: GpuRequest, found: Found, target: Target, 
         taken = leases.take(state_dir, request, inventory, policies, container_id=container.id, holder=holder,
                             unhealthy=_unhealthy(inventory, found, target))
     except GpuHookError:
-        _recycle(config, inventory)  # a refusal still destroys what the gone holders' leases had made
+        _host_cleanup(config, inventory)  # a refusal still destroys what the gone holders' leases had made
         raise
     undo.callback(_drop, config, container.id, holder)
     get_logger().info("lease_reserved", devices=list(taken.allocation.devices), ms=_ms(step),
                       reclaimed=[lease.container_id for lease in taken.reclaimed])
     allocation = taken.allocation
     if taken.to_recycle:
-        _recycle(config, inventory)  # the reclaimed leases' instances first: they may hold the room
+        _host_cleanup(config, inventory)  # the reclaimed leases' instances first: they may hold the room
+    mps = _mps_daemon(config, inventory, policies, allocation.request)
     if not allocation.to_make:
-        return _Reserved(request=allocation.request, holder=holder, made=(), asked=request)
+        return _Reserved(request=allocation.request, holder=holder, made=(), asked=request, mps=mps)
     made = _make_migs(config, inventory, allocation, container.id, holder, datetime.now(UTC))
     placed = dataclasses.replace(allocation.request, mig_asks=(),
                                  devices=allocation.request.devices + tuple(MigUuid(r.uuid) for r in made if r.uuid))
-    return _Reserved(request=placed, holder=holder, made=made, asked=request)
+    return _Reserved(request=placed, holder=holder, made=made, asked=request, mps=mps)
+
+
+def _mps_daemon(config: Config, inventory: Inventory, policies: Mapping[int, GpuPolicy],
+                request: GpuRequest) -> MpsDaemon | None:
+    """The MPS daemon of the GPU *request* holds under ``sharing: mps`` (started if it is not running)."""
+    from gpuhook.planning.select import select_devices
+
+    gpu = next((g for g in select_devices(request, inventory).parents(inventory)
+                if policies[g.index].sharing is Sharing.MPS), None)
+    if gpu is None or config.state_dir is None:
+        return None
+    from gpuhook.provision import mps
+
+    step = time.monotonic()
+    threads, memory = client_limits(policies[gpu.index], gpu)
+    daemon = mps.ensure(config.state_dir, _mps_control(inventory), gpu,
+                        mps.Limits(thread_percentage=threads, memory_limit_mib=memory))
+    get_logger().info("mps_daemon", gpu=gpu.index, pid=daemon.holder.pid if daemon.holder else None,
+                      thread_percentage=threads, memory_limit_mib=memory, ms=_ms(step))
+    return daemon
+
+
+def _mps_control(inventory: Inventory) -> Path:
+    """The driver's nvidia-cuda-mps-control (a host binary, found by discovery: never the container's)."""
+    found = next((f.host_path for f in inventory.binaries if f.name == catalog.MPS_CONTROL), None)
+    if found is None:
+        raise DiscoveryError(f"the driver root has no {catalog.MPS_CONTROL}, which runs the MPS daemon of a GPU shared "
+                             "with sharing: mps. Fix: install the driver's CUDA MPS tools, or change the GPU's sharing")
+    return found
 
 
 def _make_migs(config: Config, inventory: Inventory, allocation: Allocation, container_id: str, holder: Holder,
@@ -328,24 +365,36 @@ def _drop(config: Config, container_id: str, holder: Holder) -> None:
     """A failed start's undo: its reservation given back, and the instances made for it destroyed."""
     assert config.state_dir is not None
     leases.drop(config.state_dir, container_id, holder)
-    _recycle(config)
+    _host_cleanup(config)
 
 
-def _recycle(config: Config, inventory: Inventory | None = None) -> None:
-    """Destroy the instances gpuhook made whose lease has ended (the ledger's ``recycle``), if there are any.
+def _host_cleanup(config: Config, inventory: Inventory | None = None) -> None:
+    """What ended leases leave on the host, undone: the MIG instances gpuhook made for them destroyed (the
+    ledger's ``recycle``), the MPS daemons of GPUs nobody holds any more stopped; nothing when there is none.
 
-    Never raises: what cannot be destroyed now stays in ``recycle`` (logged), for the next reclaim.
+    Never raises: what cannot be undone now stays recorded (and logged), for the next reclaim.
     """
-    if config.state_dir is None or not ledger_store.read(config.state_dir).recycle:
+    if config.state_dir is None:
+        return
+    ledger = ledger_store.read(config.state_dir)
+    if not ledger.recycle and not ledger.idle_daemons():
+        return
+    log = get_logger()
+    try:
+        inventory = inventory or inventory_for(config, LiveNeeds()).inventory
+        if ledger.idle_daemons():
+            from gpuhook.provision import mps
+
+            for daemon in mps.stop_idle(config.state_dir, _mps_control(inventory)):
+                log.info("mps_daemon_stopped", gpu=daemon.gpu, pid=daemon.holder.pid if daemon.holder else None)
+        library = _nvml_library(inventory) if ledger.recycle else None
+    except GpuHookError as err:
+        log.warning("host_cleanup_failed", error=str(err), why="the next reclaim tries again")
+        return
+    if library is None:
         return
     from gpuhook.provision import mig
 
-    log = get_logger()
-    try:
-        library = _nvml_library(inventory or inventory_for(config, LiveNeeds()).inventory)
-    except GpuHookError as err:
-        log.warning("mig_not_destroyed", error=str(err), why="the next reclaim tries again")
-        return
     destroyed, failed = mig.recycle(config.state_dir, library)
     for record in destroyed:
         log.info("mig_destroyed", uuid=record.uuid, gpu=record.gpu, profile=record.profile, gi=record.gi,
@@ -488,7 +537,21 @@ def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec, *
     found = inventory_for(config, live_needs(request))
     if not hook_follows:
         _refuse_unleased(config, request, found.inventory)
-    return add_devices(raw, plan_devices(request, found.inventory, found.live).devices)
+    device_plan = plan_devices(request, found.inventory, found.live)
+    return add_devices(raw, device_plan.devices, env=_mps_env(config, found.inventory, device_plan.gpus))
+
+
+def _mps_env(config: Config, inventory: Inventory, gpus: Sequence[Gpu]) -> tuple[tuple[str, str], ...]:
+    """For a GPU shared through gpuhook's MPS daemon: the client's own limits in its environment (a prestart
+    hook cannot set them; the daemon's defaults hold either way), and where its pipes are."""
+    policies = config.gpus.resolve(inventory.gpus)
+    gpu = next((g for g in gpus if policies[g.index].sharing is Sharing.MPS), None)
+    if gpu is None:
+        return ()
+    threads, memory = client_limits(policies[gpu.index], gpu)
+    return (("CUDA_MPS_PIPE_DIRECTORY", catalog.MPS_PIPE_DIRECTORY),
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", f"{threads:g}"),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", f"0={memory}M"))
 
 
 def render_cdi(config: Config, hook_argv: list[str] | None) -> Rendered:

@@ -11,7 +11,7 @@ from typing import Any
 from gpuhook import service
 from gpuhook.errors import StateError
 from gpuhook.inventory import Gpu, MigDevice
-from gpuhook.sharing.ledger import Lease, Ledger, age
+from gpuhook.sharing.ledger import Lease, Ledger, MpsDaemon, age
 
 
 def run_status(config_arg: str | None, debug: bool, env: Mapping[str, str], *, as_json: bool) -> int:
@@ -55,8 +55,17 @@ def status_object(report: service.HostStatus) -> dict[str, Any]:
             "sharing": policy.sharing.value, "replicas": policy.replicas,
             "capabilities": sorted(policy.capabilities) if policy.capabilities is not None else None,
             "holders": holders,
+            "mps": _mps(ledger.daemon_for(gpu.uuid), ledger),
         })
     return {"gpus": gpus, "mig_devices": [_mig_device(mig, ledger) for mig in inventory.mig_devices]}
+
+
+def _mps(daemon: MpsDaemon | None, ledger: Ledger) -> dict[str, Any] | None:
+    if daemon is None:
+        return None
+    return {"pid": daemon.holder.pid if daemon.holder else None, "thread_percentage": daemon.thread_percentage,
+            "memory_limit_mib": daemon.memory_limit_mib, "pipe_directory": daemon.pipe_dir,
+            "clients": [lease.container_id for lease in ledger.holding(daemon.gpu)]}
 
 
 def _mig_device(mig: MigDevice, ledger: Ledger) -> dict[str, Any]:
@@ -83,6 +92,10 @@ def status_text(data: Mapping[str, Any], *, leasing: bool) -> str:
         if gpu["capabilities"] is not None:
             policy += f" [{','.join(gpu['capabilities'])}]"
         holders = [_holder_text(h, now) for h in gpu["holders"]] or ["-"]
+        if gpu["mps"] is not None:
+            mps = gpu["mps"]
+            holders.append(f"MPS daemon pid {mps['pid']}: {mps['thread_percentage']:g}% of the SMs, "
+                           f"{mps['memory_limit_mib']} MiB per client, pipes in {mps['pipe_directory']}")
         rows.append((str(gpu["index"]), gpu["uuid"], gpu["model"], policy, holders[0]))
         rows += [("", "", "", "", more) for more in holders[1:]]
     widths = [max(len(row[n]) for row in rows) for n in range(4)]

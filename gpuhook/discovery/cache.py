@@ -77,8 +77,8 @@ from gpuhook.sys.files import replace_at
 
 #: Bumped when the document or Inventory.to_dict changes meaning; an older file is then a miss.
 #: 2: caps_nodes left the inventory (read live), mig_layout joined it.
-#: 3: MIG mode, GI profiles and MIG device profiles.
-CACHE_FORMAT: Final = 3
+#: 3: MIG mode, GI profiles and MIG device profiles. 4: each GPU's memory.
+CACHE_FORMAT: Final = 4
 #: An inventory of 64 GPUs and a full driver, with its key, is about 50 KiB; anything far larger is not ours.
 CACHE_LIMIT: Final = 4 << 20
 _FIRMWARE_DIR: Final = "lib/firmware/nvidia"

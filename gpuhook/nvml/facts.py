@@ -68,6 +68,7 @@ def _read_nvml(library: Path) -> NvmlFacts:
                 arch=f"{major}.{minor}",
                 health=_health(handle),
                 persistence=_persistence(handle),
+                memory_mib=_memory_mib(handle),
                 mig_enabled=mig.enabled,
                 mig_profiles=mig.profiles,
             ))
@@ -78,6 +79,14 @@ def _read_nvml(library: Path) -> NvmlFacts:
             gpus=tuple(gpus),
             mig_devices=tuple(migs),
         )
+
+
+def _memory_mib(handle: Any) -> int | None:
+    """Total device memory in MiB, or None where NVML does not report it."""
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) >> 20
+    except _ABSENT:
+        return None
 
 
 def _persistence(handle: Any) -> bool | None:

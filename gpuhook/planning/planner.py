@@ -330,12 +330,13 @@ def _ipc(inventory: Inventory, caps: frozenset[Capability]) -> tuple[BindMount, 
 
 
 def _mps_pipe(live: LiveFacts, caps: frozenset[Capability]) -> tuple[BindMount, ...]:
-    """The host's MPS pipe directory for compute, at the same path, read-write (its clients make pipes in
-    it), nosuid, nodev, noexec: as NVIDIA's hook mounts it (libnvidia-container lookup_ipcs)."""
-    pipe = live.mps_pipe
-    if pipe is None or Capability.COMPUTE not in caps:
+    """The MPS pipe directory for compute, at its path, read-write (its clients make pipes in it), nosuid, nodev,
+    noexec: as NVIDIA's hook mounts the host's (libnvidia-container lookup_ipcs); for a GPU gpuhook shares
+    through its own MPS daemon, that daemon's, with the /dev/shm it shares with its clients."""
+    if Capability.COMPUTE not in caps:
         return ()
-    return (BindMount(source=str(pipe.host_path), target=pipe.name, noexec=True, directory=True, writable=True),)
+    return tuple(BindMount(source=str(d.host_path), target=d.name, noexec=True, directory=True, writable=True)
+                 for d in (live.mps_pipe, live.mps_shm) if d is not None)
 
 
 def _proc_driver(inventory: Inventory, device_plan: DevicePlan, skipped: list[Skipped]) -> ProcDriverMount | None:

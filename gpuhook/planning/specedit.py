@@ -19,9 +19,17 @@ from typing import Any
 from gpuhook.planning.plan import DeviceNode
 
 
-def add_devices(spec: Mapping[str, Any], devices: Sequence[DeviceNode]) -> dict[str, Any]:
-    """A copy of *spec* with *devices* in linux.devices and exact rw allow rules; idempotent."""
+def add_devices(spec: Mapping[str, Any], devices: Sequence[DeviceNode],
+                env: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """A copy of *spec* with *devices* in linux.devices and exact rw allow rules, and *env* set in
+    process.env (replacing the image's value of each name); idempotent."""
     out = copy.deepcopy(dict(spec))
+    if env:
+        process = out.setdefault("process", {})
+        names = {name for name, _ in env}
+        process["env"] = [item for item in process.get("env", []) if not (isinstance(item, str)
+                                                                          and item.split("=", 1)[0] in names)]
+        process["env"] += [f"{name}={value}" for name, value in env]
     linux = out.setdefault("linux", {})
     nodes = linux.setdefault("devices", [])
     rules = linux.setdefault("resources", {}).setdefault("devices", [])

@@ -30,7 +30,7 @@ class Taken:
 
     allocation: Allocation
     reclaimed: tuple[Lease, ...]
-    #: MIG instances gpuhook made await destruction (the reclaimed leases', or a failed earlier try's)
+    #: MIG instances gpuhook made await destruction, or MPS daemons whose GPU nobody holds await their quit
     to_recycle: bool = False
 
 
@@ -68,12 +68,12 @@ def take(state_dir: Path, request: GpuRequest, inventory: Inventory, policies: M
                                   unhealthy=unhealthy)
         except GpuHookError as err:
             return ledger, (err, stale)
-        taken = Taken(allocation=allocation, reclaimed=stale, to_recycle=bool(ledger.recycle))
-        if not allocation.devices and not allocation.to_make:
-            return ledger, (taken, stale)
-        lease = Lease(container_id=container_id, devices=allocation.devices, holder=holder, since=timestamp(now),
-                      migs=allocation.migs)
-        return ledger.reserve(lease), (taken, stale)
+        if allocation.devices or allocation.to_make:
+            ledger = ledger.reserve(Lease(container_id=container_id, devices=allocation.devices, holder=holder,
+                                          since=timestamp(now), migs=allocation.migs))
+        # what the gone holders leave to undo (their MIG instances, the MPS daemons nobody holds now)
+        taken = Taken(allocation=allocation, reclaimed=stale, to_recycle=bool(ledger.recycle or ledger.idle_daemons()))
+        return ledger, (taken, stale)
 
     outcome, _ = ledger_store.update(state_dir, change)
     if isinstance(outcome, GpuHookError):

@@ -59,10 +59,11 @@ def update(state_dir: Path, change: Callable[[Ledger], tuple[Ledger, T]]) -> T:
 
 
 @contextlib.contextmanager
-def gpu_lock(state_dir: Path, gpu_uuid: str) -> Iterator[None]:
-    """Held while a GPU's MIG instances are changed (``mig-<uuid>.lock``); taken before the ledger's lock, never
-    after, so two starts never wait on each other in opposite orders."""
-    name = "mig-" + "".join(c for c in gpu_uuid if c.isascii() and (c.isalnum() or c == "-")) + ".lock"
+def gpu_lock(state_dir: Path, gpu_uuid: str, what: str = "mig") -> Iterator[None]:
+    """Held while a GPU's MIG instances (*what* ``mig``) or its MPS daemon (``mps``) are changed
+    (``<what>-<uuid>.lock``); taken before the ledger's lock, never after, so two starts never wait on each
+    other in opposite orders."""
+    name = f"{what}-" + "".join(c for c in gpu_uuid if c.isascii() and (c.isalnum() or c == "-")) + ".lock"
     dir_fd = open_state_dir(state_dir)
     try:
         lock = _open(dir_fd, name, os.O_RDWR | os.O_CREAT, state_dir)

@@ -21,7 +21,7 @@ from gpuhook.planning.select import select_devices
 from gpuhook.request.model import GpuIndex, GpuRequest, MigUuid
 from gpuhook.sharing.ledger import Ledger, MigRecord
 from gpuhook.sharing.mig import MigPick, pick_migs, reused_record, with_policy_instances
-from gpuhook.sharing.policy import GpuPolicy
+from gpuhook.sharing.policy import GpuPolicy, Sharing
 from gpuhook.sharing.room import Room
 
 
@@ -63,6 +63,12 @@ def allocate(request: GpuRequest, inventory: Inventory, policies: Mapping[int, G
         _check_capabilities(request, parent, policies[parent.index])
         if not room.mig_has_room(mig, parent):
             full.append(room.describe_mig(mig, parent))
+    shared_by_mps = [g for g in selection.parents(inventory) if policies[g.index].sharing is Sharing.MPS]
+    if len(shared_by_mps) > 1:
+        listed = ", ".join(str(g.index) for g in shared_by_mps)
+        raise PolicyError(f"{request.source}={request.raw!r}: GPUs {listed} are each shared through an MPS daemon of "
+                          "their own, and a container reaches one MPS daemon (its /tmp/nvidia-mps). Fix: ask for one "
+                          "of them")
     if full:
         raise BusyError(f"{request.source}={request.raw!r}: {'; '.join(full)}. Fix: wait for the holder to end, "
                         "ask for another GPU ('any' or 'count=N' take free ones), or, if a holder is gone, "

@@ -76,6 +76,24 @@ class MigRecord:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MpsDaemon:
+    """An MPS control daemon gpuhook runs for one GPU, while containers hold it under ``sharing: mps``."""
+
+    #: the GPU's UUID (the daemon's CUDA_VISIBLE_DEVICES)
+    gpu: str
+    #: its CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY on the host, and the /dev/shm it shares with
+    #: its clients
+    pipe_dir: str
+    log_dir: str
+    shm_dir: str
+    #: the defaults it was told (set_default_active_thread_percentage, ..._device_pinned_mem_limit)
+    thread_percentage: float
+    memory_limit_mib: int
+    #: the control daemon's process; None: recorded before it was started (a crash may have left one running)
+    holder: Holder | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Lease:
     """One container's hold on its devices."""
 
@@ -119,6 +137,24 @@ class Ledger:
     leases: tuple[Lease, ...] = ()
     #: instances gpuhook made whose lease has ended: destroyed by whoever ended it, or by the next reclaim
     recycle: tuple[MigRecord, ...] = ()
+    #: the MPS control daemons gpuhook runs (one per GPU at most)
+    daemons: tuple[MpsDaemon, ...] = ()
+
+    def daemon_for(self, gpu: str) -> MpsDaemon | None:
+        """The MPS daemon recorded for the GPU with UUID *gpu*."""
+        return next((d for d in self.daemons if d.gpu.casefold() == gpu.casefold()), None)
+
+    def with_daemon(self, daemon: MpsDaemon) -> Ledger:
+        """With *daemon* as its GPU's record (replacing an earlier one)."""
+        return replace(self, daemons=(*(d for d in self.daemons if d.gpu != daemon.gpu), daemon))
+
+    def without_daemon(self, daemon: MpsDaemon) -> Ledger:
+        """With *daemon*'s record gone (it has been stopped)."""
+        return replace(self, daemons=tuple(d for d in self.daemons if d != daemon))
+
+    def idle_daemons(self) -> tuple[MpsDaemon, ...]:
+        """The daemons no lease holds the GPU of any more: to stop."""
+        return tuple(d for d in self.daemons if not self.holding(d.gpu))
 
     def lease_of(self, container_id: str) -> Lease | None:
         """*container_id*'s lease, if it holds one."""
@@ -177,17 +213,17 @@ class Ledger:
 
     def recycled(self, record: MigRecord) -> Ledger:
         """With *record* (destroyed, or found gone) out of ``recycle``."""
-        return Ledger(self.leases, tuple(r for r in self.recycle if r != record))
+        return replace(self, recycle=tuple(r for r in self.recycle if r != record))
 
     def _ending(self, ends: Callable[[Lease], bool], add: Lease | None = None) -> Ledger:
         """Without the leases *ends* picks (the instances gpuhook made for them moved to ``recycle``), plus *add*."""
         kept = tuple(lease for lease in self.leases if not ends(lease))
         made = tuple(r for lease in self.leases if ends(lease) for r in lease.migs if r.created)
-        return Ledger(kept + ((add,) if add is not None else ()), self.recycle + made)
+        return replace(self, leases=kept + ((add,) if add is not None else ()), recycle=self.recycle + made)
 
     def _changed(self, container_id: str, holder: Holder, change: Callable[[Lease], Lease]) -> Ledger:
-        return Ledger(tuple(change(lease) if lease.container_id == container_id and lease.holder == holder else lease
-                            for lease in self.leases), self.recycle)
+        return replace(self, leases=tuple(change(lease) if lease.container_id == container_id
+                                          and lease.holder == holder else lease for lease in self.leases))
 
 
 # --- the stored form -------------------------------------------------------------------------------
@@ -199,7 +235,8 @@ def to_object(ledger: Ledger) -> dict[str, Any]:
         {"container_id": lease.container_id, "devices": list(lease.devices), "pid": lease.holder.pid,
          "start_ticks": lease.holder.start, "since": lease.since, "state": lease.state.value,
          "migs": [_record_object(r) for r in lease.migs]}
-        for lease in ledger.leases], "recycle": [_record_object(r) for r in ledger.recycle]}
+        for lease in ledger.leases], "recycle": [_record_object(r) for r in ledger.recycle],
+        "daemons": [_daemon_object(d) for d in ledger.daemons]}
 
 
 def from_object(data: Any, *, source: str) -> Ledger:
@@ -225,7 +262,32 @@ def from_object(data: Any, *, source: str) -> Ledger:
         recycle = tuple(_record(r) for r in data.get("recycle", ()))
     except (TypeError, ValueError, KeyError, AttributeError) as err:
         raise StateError(f"{source}: its recycle list is malformed ({err}); {_FIX}") from None
-    return Ledger(tuple(leases), recycle)
+    try:
+        daemons = tuple(_daemon(d) for d in data.get("daemons", ()))
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise StateError(f"{source}: its MPS daemon list is malformed ({err}); {_FIX}") from None
+    return Ledger(tuple(leases), recycle, daemons)
+
+
+def _daemon_object(daemon: MpsDaemon) -> dict[str, Any]:
+    holder = daemon.holder
+    return {"gpu": daemon.gpu, "pipe_dir": daemon.pipe_dir, "log_dir": daemon.log_dir, "shm_dir": daemon.shm_dir,
+            "thread_percentage": daemon.thread_percentage, "memory_limit_mib": daemon.memory_limit_mib,
+            "pid": holder.pid if holder else None, "start_ticks": holder.start if holder else None}
+
+
+def _daemon(item: Any) -> MpsDaemon:
+    pid, start = item["pid"], item["start_ticks"]
+    if (pid is None) != (start is None):
+        raise ValueError("pid and start_ticks must both be set or both be null")
+    threads = item["thread_percentage"]
+    if isinstance(threads, bool) or not isinstance(threads, int | float):
+        raise TypeError(f"thread_percentage is {threads!r}")
+    return MpsDaemon(gpu=_typed(item, "gpu", str), pipe_dir=_typed(item, "pipe_dir", str),
+                     log_dir=_typed(item, "log_dir", str), shm_dir=_typed(item, "shm_dir", str),
+                     thread_percentage=float(threads), memory_limit_mib=_typed(item, "memory_limit_mib", int),
+                     holder=None if pid is None else Holder(pid=_typed(item, "pid", int),
+                                                            start=_typed(item, "start_ticks", int)))
 
 
 _OPTIONAL_INT: Final = (int, type(None))

@@ -54,6 +54,16 @@ class MigMode:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MpsLimits:
+    """``mps``: what each client of the GPU's MPS daemon may use (None: the GPU's share per replica)."""
+
+    #: of the GPU's SMs, in percent (set_default_active_thread_percentage); None: 100 / replicas
+    thread_percentage: float | None = None
+    #: device memory a client may pin, in MiB (set_default_device_pinned_mem_limit); None: total / replicas
+    memory_limit_mib: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GpuPolicy:
     """One GPU's rules (or the default's, for ``device: all``)."""
 
@@ -65,6 +75,8 @@ class GpuPolicy:
     #: the driver capabilities a container holding this GPU may be given; None: any
     capabilities: frozenset[Capability] | None = None
     mig: MigMode | None = None
+    #: sharing mps: the clients' limits as written
+    mps: MpsLimits | None = None
 
     @property
     def limit(self) -> int | None:
@@ -79,6 +91,20 @@ class GpuPolicy:
 
 
 UNLIMITED: Final = GpuPolicy()
+
+
+def client_limits(policy: GpuPolicy, gpu: Gpu) -> tuple[float, int]:
+    """``sharing: mps``: (percent of the SMs, MiB of pinned memory) each client of *gpu*'s daemon gets: as
+    written, else its share per replica (as NVIDIA's device plugin sets them); raises ConfigError."""
+    assert policy.mps is not None and policy.replicas is not None
+    threads = policy.mps.thread_percentage or round(100 / policy.replicas, 2)
+    memory = policy.mps.memory_limit_mib
+    if memory is None:
+        if gpu.memory_mib is None:
+            raise ConfigError(f"GPU {gpu.index} ({gpu.uuid}) is shared through MPS, but NVML reports no memory size "
+                              "to divide among its replicas. Fix: set its mps.memory_limit (MiB, or like \"10G\")")
+        memory = gpu.memory_mib // policy.replicas
+    return threads, memory
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,10 +173,16 @@ class _Keys:
     mig: str
     mig_enable: str
     mig_instance: str
+    mps: str
+    mps_threads: str
+    mps_memory: str
 
 
-YAML_KEYS: Final = _Keys("device", "sharing", "replicas", "capabilities", "mig", "enable", "instance")
-FILE_KEYS: Final = _Keys("DeviceID", "Sharing", "Replicas", "Capabilities", "MIGMode", "Enable", "Instance")
+YAML_KEYS: Final = _Keys("device", "sharing", "replicas", "capabilities", "mig", "enable", "instance",
+                         "mps", "thread_percentage", "memory_limit")
+FILE_KEYS: Final = _Keys("DeviceID", "Sharing", "Replicas", "Capabilities", "MIGMode", "Enable", "Instance",
+                         "MPS", "ThreadPercentage", "MemoryLimit")
+_MEMORY_RE: Final = re.compile(r"([1-9][0-9]{0,8})([MGT])")
 
 
 def decode_gpus(value: Any, *, source: str) -> Policy:
@@ -196,7 +228,7 @@ def _canonical(device: str) -> str:
 def _decode_entry(item: Any, keys: _Keys, where: str) -> GpuPolicy:
     if not isinstance(item, Mapping):
         raise ConfigError(f"{where}: expected a mapping with {keys.device!r}, got {item!r}")
-    known = (keys.device, keys.sharing, keys.replicas, keys.capabilities, keys.mig)
+    known = (keys.device, keys.sharing, keys.replicas, keys.capabilities, keys.mig, keys.mps)
     unknown = sorted(str(k) for k in item if k not in known)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
@@ -212,9 +244,46 @@ def _decode_entry(item: Any, keys: _Keys, where: str) -> GpuPolicy:
     if sharing not in COUNTED and replicas is not None:
         raise ConfigError(f"{where}: {keys.replicas} contradicts {keys.sharing} {sharing.value!r} (it limits only "
                           f"{' and '.join(repr(s.value) for s in sorted(COUNTED))}); remove it or change the sharing")
+    mig = _mig(item.get(keys.mig), keys, f"{where}.{keys.mig}")
+    mps = _mps(item.get(keys.mps), keys, f"{where}.{keys.mps}")
+    if mps is not None and sharing is not Sharing.MPS:
+        raise ConfigError(f"{where}: {keys.mps} contradicts {keys.sharing} {sharing.value!r}; set {keys.sharing}: "
+                          f"mps (with {keys.replicas}) or remove it")
+    if sharing is Sharing.MPS and mig is not None and mig.enable:
+        raise ConfigError(f"{where}: {keys.sharing} 'mps' and {keys.mig} on one GPU: MPS runs on a whole GPU, and a "
+                          "GPU in MIG mode is shared by its instances. Fix: keep one of them")
     return GpuPolicy(device=device, sharing=sharing, replicas=replicas,
                      capabilities=_capabilities(item.get(keys.capabilities), f"{where}.{keys.capabilities}"),
-                     mig=_mig(item.get(keys.mig), keys, f"{where}.{keys.mig}"))
+                     mig=mig, mps=MpsLimits() if sharing is Sharing.MPS and mps is None else mps)
+
+
+def _mps(value: Any, keys: _Keys, where: str) -> MpsLimits | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a mapping with {keys.mps_threads!r} and/or {keys.mps_memory!r}, "
+                          f"got {value!r}")
+    unknown = sorted(str(k) for k in value if k not in (keys.mps_threads, keys.mps_memory))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {keys.mps_threads}, "
+                          f"{keys.mps_memory}")
+    threads, memory = value.get(keys.mps_threads), value.get(keys.mps_memory)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int | float)
+                                or not 0 < threads <= 100):
+        raise ConfigError(f"{where}.{keys.mps_threads} must be a percentage above 0 and at most 100, got {threads!r}")
+    return MpsLimits(thread_percentage=None if threads is None else float(threads),
+                     memory_limit_mib=None if memory is None else _mebibytes(memory, f"{where}.{keys.mps_memory}"))
+
+
+def _mebibytes(value: Any, where: str) -> int:
+    """A memory limit: MiB as a whole number, or ``10G`` / ``512M`` / ``1T``."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    found = _MEMORY_RE.fullmatch(value) if isinstance(value, str) else None
+    if found is None:
+        raise ConfigError(f"{where} must be MiB as a whole number (10240) or a size like \"10G\" or \"512M\", "
+                          f"got {value!r}")
+    return int(found[1]) << {"M": 0, "G": 10, "T": 20}[found[2]]
 
 
 def _device(value: Any, where: str) -> str:

@@ -342,3 +342,54 @@ def free_3g(host: FakeHost) -> int:
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout)
+
+
+# --- issue 17: a start killed around bringing up its GPU's MPS daemon leaves no daemon ------------------
+
+MPS_STEPS = [
+    # the daemon runs and is recorded, but its pid is not: the hook dies reading the pid file
+    # (the daemon writes its pid file first: the second open of it is the hook's read)
+    pytest.param("257=nvidia-cuda-mps-control.pid,257=nvidia-cuda-mps-control.pid", False,
+                 id="daemon-up-pid-not-recorded"),
+    pytest.param("259=nvidia0", True, id="daemon-recorded-apply-mknod"),
+]
+
+
+@pytest.mark.parametrize(("trigger", "pid_recorded"), MPS_STEPS)
+def test_hook_killed_around_starting_the_mps_daemon_leaves_none(hook_rig: Rig, report: tuple[Path, int],
+                                                               tmp_path_factory: pytest.TempPathFactory,
+                                                               trigger: str, pid_recorded: bool) -> None:
+    """The in-process hook SIGKILLed at the step of a start on GPU 0 under `sharing: mps` (no poststop, no
+    gpuhookd): the ledger records the daemon as the step left it; once `gpuhook status` has reclaimed, no
+    lease, no daemon record and no daemon process are left."""
+    path, fd = report
+    state_dir = tmp_path_factory.mktemp("mpsleases") / "state"
+    leasing = Leasing(hook_rig.config(state_dir=state_dir, gpus=[{"device": 0, "sharing": "mps", "replicas": 2}]),
+                      state_dir)
+    hook = {"path": PYTHON, "args": [PYTHON, "-I", str(KILLAT), str(path), trigger, "hook", "--",
+                                     *hook_command(leasing.config)],
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+    container = hook_rig.container(GPU0, GPU_PROBE, hook=hook)
+    result = run_container("runc", container.bundle, unique_id("gpuhook-attack"), timeout=30)
+    said = read_report(fd)
+    assert said.startswith("killed "), f"the kill never happened (the step was not reached): {said!r}\n{result.stderr}"
+    assert result.returncode != 0 and "@@start" not in result.stdout, result.stdout
+    ledger = json.loads((state_dir / "leases.json").read_text())
+    [daemon] = ledger["daemons"]
+    assert (daemon["pid"] is not None) == pid_recorded, daemon
+    pid_file = Path(daemon["pipe_dir"]) / "nvidia-cuda-mps-control.pid"
+    running = int(pid_file.read_text())
+    assert Path(f"/proc/{running}").exists(), "the daemon did not come up before the kill"
+    assert leasing.status_holders() == []
+    assert json.loads((state_dir / "leases.json").read_text())["daemons"] == []
+    deadline = time.monotonic() + REPORT_TIMEOUT_S
+    while _running(running) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _running(running), "the orphaned MPS daemon is still running"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False

@@ -21,6 +21,7 @@ from gpuhook.sharing.policy import (
     UNLIMITED,
     GpuPolicy,
     MigMode,
+    MpsLimits,
     Policy,
     Sharing,
     decode_device_file,
@@ -92,9 +93,13 @@ gpus:
     sharing: shared
     replicas: 4
   - device: GPU-00000002-aaaa-bbbb-cccc-dddddddddddd
-    sharing: mps
+    sharing: shared
     replicas: 2
     mig: {enable: true, instance: 3g.20gb}
+  - device: 3
+    sharing: mps
+    replicas: 2
+    mps: {thread_percentage: 25, memory_limit: 10G}
   - device: all
     sharing: unlimited
 """
@@ -102,16 +107,19 @@ gpus:
 DEVICE_FILE = {"Devices": [
     {"DeviceID": "0000:18:00.0", "Sharing": "exclusive", "Capabilities": ["compute", "utility"]},
     {"DeviceID": "1", "Sharing": "shared", "Replicas": 4},
-    {"DeviceID": "GPU-00000002-aaaa-bbbb-cccc-dddddddddddd", "Sharing": "mps", "Replicas": 2,
+    {"DeviceID": "GPU-00000002-aaaa-bbbb-cccc-dddddddddddd", "Sharing": "shared", "Replicas": 2,
      "MIGMode": {"Enable": True, "Instance": "3g.20gb"}},
+    {"DeviceID": "3", "Sharing": "mps", "Replicas": 2, "MPS": {"ThreadPercentage": 25, "MemoryLimit": "10G"}},
     {"DeviceID": "all", "Sharing": "unlimited"},
 ]}
 
 EXPECTED_ENTRIES = (
     GpuPolicy(device="0000:18:00.0", sharing=Sharing.EXCLUSIVE, capabilities=COMPUTE_UTILITY),
     GpuPolicy(device="1", sharing=Sharing.SHARED, replicas=4),
-    GpuPolicy(device="GPU-00000002-aaaa-bbbb-cccc-dddddddddddd", sharing=Sharing.MPS, replicas=2,
+    GpuPolicy(device="GPU-00000002-aaaa-bbbb-cccc-dddddddddddd", sharing=Sharing.SHARED, replicas=2,
               mig=MigMode(enable=True, instance="3g.20gb")),
+    GpuPolicy(device="3", sharing=Sharing.MPS, replicas=2, mps=MpsLimits(thread_percentage=25.0,
+                                                                       memory_limit_mib=10240)),
 )
 
 
@@ -141,10 +149,10 @@ def test_yaml_list_and_device_file_give_the_same_policy(tmp_path: Path) -> None:
         assert _rules(config.gpus) == _rules(from_list), device_file
         assert config.gpus.source == str(device_file)
         assert config.gpus.resolve(host().gpus) == from_list.resolve(host().gpus)
-    resolved = from_list.resolve(host().gpus)
-    assert [resolved[i].sharing for i in range(4)] == [Sharing.EXCLUSIVE, Sharing.SHARED, Sharing.MPS,
-                                                      Sharing.UNLIMITED]
-    assert [resolved[i].limit for i in range(4)] == [1, 4, 2, None]
+    resolved = from_list.resolve(host(5).gpus)
+    assert [resolved[i].sharing for i in range(5)] == [Sharing.EXCLUSIVE, Sharing.SHARED, Sharing.SHARED,
+                                                      Sharing.MPS, Sharing.UNLIMITED]
+    assert [resolved[i].limit for i in range(5)] == [1, 4, 2, 2, None]
 
 
 def test_a_policy_without_a_default_leaves_the_other_gpus_unlimited() -> None:
