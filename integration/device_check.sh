@@ -9,7 +9,9 @@
 # times through a gpuhookd and five times with gpuhook-relay (.venv/bin) through that gpuhookd, and
 # shows what it sees (GPU 0 is exclusive: each run takes and gives back its lease; `gpuhook status`
 # after the runs must show no holder). Where GPU 0 is in MIG mode already, five runs ask for an
-# instance of its smallest profile on demand (made at the start, destroyed at poststop); figures go to $OUT.
+# instance of its smallest profile on demand (made at the start, destroyed at poststop); then five runs
+# with GPU 0 under `sharing: mps` (gpuhook's MPS daemon up for each, told its limits, quit after); figures
+# go to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpuhook-device-check}
 # Overridable to rehearse the script on a simulated host: DRIVER_ROOT=DIR DEV_ROOT=DIR PROC_ROOT=DIR.
@@ -55,7 +57,8 @@ argv = ["--config", f"{work}/gpuhook.yaml", "--daemon-socket", socket, "prestart
 program = [py.removesuffix("python") + "gpuhook-relay"] if relay else [py, "-I", "-m", "gpuhook"]
 hook = {"path": program[0], "args": program + argv, "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
 script = ("ls -l /dev/nvidia*; devopen /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm; "
-          "dltest -p libcuda.so.1 libnvidia-ml.so.1; nvidia-smi -L; grep Modify /proc/driver/nvidia/params || echo no /proc/driver/nvidia")
+          "dltest -p libcuda.so.1 libnvidia-ml.so.1; nvidia-smi -L; grep Modify /proc/driver/nvidia/params || echo no /proc/driver/nvidia; "
+          "ls -l /tmp/nvidia-mps 2>&1 | head -n 8")
 spec = default_spec("rootfs", ["/bin/sh", "-c", script],
                     ["PATH=/usr/local/bin:/usr/bin:/bin", f"NVIDIA_VISIBLE_DEVICES={devices}",
                      "NVIDIA_DRIVER_CAPABILITIES=compute,utility"],
@@ -101,3 +104,11 @@ if [ "$MIG_MODE" = "Enabled" ]; then
 else
   echo "GPU 0's MIG mode: ${MIG_MODE:-unknown}; MIG on demand not exercised" | tee "$OUT/mig.txt"
 fi
+
+echo "== MPS: GPU 0 under sharing: mps (replicas 2): gpuhook's daemon comes up for each run and quits after it"
+sed 's/sharing: exclusive/sharing: mps\n    replicas: 2/' "$WORK/gpuhook.yaml" > "$WORK/gpuhook-mps.yaml"
+write_spec none "" 0 && sed -i "s#$WORK/gpuhook.yaml#$WORK/gpuhook-mps.yaml#g" "$WORK/bundle/config.json" && runs mps
+"$PY" -I -m gpuhook --config "$WORK/gpuhook-mps.yaml" status 2>&1 | tee "$OUT/mps.txt"
+grep -E '"event": "mps_daemon' "$OUT/gpuhook.log" | tee -a "$OUT/mps.txt"
+cat "$WORK"/state/mps/*/log/control.log 2>/dev/null | tail -n 20 | tee -a "$OUT/mps.txt"
+pgrep -a nvidia-cuda-mps || echo "no MPS daemon left running" | tee -a "$OUT/mps.txt"
