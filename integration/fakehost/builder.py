@@ -7,7 +7,8 @@ import os
 import shutil
 import socket
 import stat
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -147,6 +148,50 @@ class FakeHost:
         """The (pid, calls) lines logged so far; empty means no NVML call was made."""
         lines = self.calls_log_path.read_text().split()
         return [(int(pid), int(count)) for pid, count in zip(lines[0::2], lines[1::2], strict=True)]
+
+    def set_gpu_processes(
+        self,
+        entries: Iterable[tuple[int, int, int | None] | tuple[int, int, int | None, int, int]],
+        *,
+        graphics: Iterable[tuple[int, int, int | None]] = (),
+    ) -> None:
+        """Sets the processes the mock NVML lists as running on the GPUs, for every process at once.
+
+        *entries* are compute processes (nvmlDeviceGetComputeRunningProcesses): ``(gpu index, pid,
+        used bytes)``, or ``(gpu index, pid, used bytes, gi, ci)`` on a MIG device of a GPU in MIG
+        mode; *graphics* are ``(gpu index, pid, used bytes)`` graphics processes
+        (nvmlDeviceGetGraphicsRunningProcesses; none in MIG mode).  Used bytes None is reported as
+        NVML_VALUE_NOT_AVAILABLE.  pids are this machine's: the mock leaves out those no longer
+        running.  Writes etc/mock-nvml/processes (see mocknvml.c) by rename, so readers see the old
+        list or the new one; an empty call clears it.
+        """
+        lines = []
+        for kind, rows in (("", entries), ("graphics ", graphics)):
+            for row in rows:
+                gpu, pid, used, *ids = row
+                if not 0 <= gpu < len(self.gpus):
+                    raise FakeHostError(f"GPU {gpu} does not exist (the host has {len(self.gpus)})")
+                if not 0 < pid <= 2**31 - 1 or (used is not None and not 0 <= used < 2**64 - 1):
+                    raise FakeHostError(f"bad pid or used bytes in {row!r}")
+                mig_mode = self.gpus[gpu].mig_enabled
+                if kind and mig_mode:
+                    raise FakeHostError(f"GPU {gpu} is in MIG mode, which has no graphics processes")
+                if not kind and mig_mode != bool(ids):
+                    raise FakeHostError(f"{row!r}: a process on a GPU in MIG mode names its gi and ci, and only there")
+                if ids and (len(ids) != 2 or not 0 <= ids[0] <= 14 or not 0 <= ids[1] <= 7):
+                    raise FakeHostError(f"{row!r}: gi must be 0-14 and ci 0-7")
+                fields = [gpu, pid, "-" if used is None else used, *ids]
+                lines.append(kind + " ".join(str(field) for field in fields) + "\n")
+        path = self.root / "etc" / "mock-nvml" / "processes"
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".processes.")
+        try:
+            with os.fdopen(fd, "w") as file:
+                file.write("".join(lines))
+            os.chmod(tmp, 0o644)  # every process reads it
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def _write(path: Path, content: str | bytes, mode: int = 0o644) -> None:

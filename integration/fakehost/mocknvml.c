@@ -53,6 +53,30 @@
  * <root>/proc/driver/nvidia-caps/mig-minors, the major from <root>/proc/devices).
  * Changes need root, as with the real driver (the mig/config capability).
  *
+ * Running processes: nvmlDeviceGet{Compute,Graphics}RunningProcesses (the
+ * unversioned symbols fill nvmlProcessInfo_v1_t, _v2 and _v3 fill
+ * nvmlProcessInfo_v2_t, alias nvmlProcessInfo_t) answer from
+ *     <root>/etc/mock-nvml/processes
+ * read afresh at every call (writers replace it by rename, as
+ * FakeHost.set_gpu_processes does, so one open reads one whole version; no
+ * file: no processes).  One line per process ('#' comments and blank lines
+ * ignored, any other line that does not parse fails the call with
+ * NVML_ERROR_UNKNOWN and a message on stderr):
+ *     <gpu index> <pid> <used bytes> [<gi> <ci>]   a compute process
+ *     graphics <gpu index> <pid> <used bytes>      a graphics process
+ * where <used bytes> may be "-" (reported as NVML_VALUE_NOT_AVAILABLE) and
+ * <gi> <ci> place the process on a MIG device (both 0xFFFFFFFF otherwise).
+ * pids are real processes of this machine: like the driver, which forgets a
+ * process's contexts when it exits, the mock leaves out a pid whose
+ * /proc/<pid> (the real /proc) is gone or a zombie.  A GPU handle lists the
+ * GPU's processes; a MIG device handle those of its GPU with its gi and ci;
+ * a GPU in MIG mode lists the aggregate (with the ids) only to euid 0, and
+ * NVML_ERROR_NO_PERMISSION otherwise, as nvml.h says; graphics on a MIG
+ * device handle is NVML_ERROR_NOT_SUPPORTED.  The count follows NVML:
+ * *infoCount in is the capacity of infos (NULL only with 0), out the number
+ * of processes; more than fit is NVML_ERROR_INSUFFICIENT_SIZE (the first
+ * capacity records filled), none is NVML_SUCCESS with 0.
+ *
  * MIG: a MIG device handle answers the calls NVML documents for MIG devices
  * (UUID, name, memory, ids, parent); GPU-only queries (index, minor number,
  * PCI info, persistence and MIG mode) are NVML_ERROR_NOT_SUPPORTED on it.
@@ -411,6 +435,7 @@ static char g_calls_log_path[PATH_MAX];
 static char g_root[PATH_MAX]; /* the host root; "" stands for "/" */
 static char g_state_path[PATH_MAX];
 static char g_state_lock_path[PATH_MAX];
+static char g_processes_path[PATH_MAX];
 
 /* dst = root + rel, or "" when that would not fit. */
 static void join_path(char *dst, size_t size, const char *root, const char *rel)
@@ -442,6 +467,7 @@ static void compute_paths(void)
     join_path(g_calls_log_path, sizeof g_calls_log_path, real, "/etc/mock-nvml/calls.log");
     join_path(g_state_path, sizeof g_state_path, real, "/etc/mock-nvml/mig-state");
     join_path(g_state_lock_path, sizeof g_state_lock_path, real, "/etc/mock-nvml/mig-state.lock");
+    join_path(g_processes_path, sizeof g_processes_path, real, "/etc/mock-nvml/processes");
     join_path(g_root, sizeof g_root, real, "");
 }
 
@@ -1645,6 +1671,216 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned
     *isPending = device->remap_pending;
     *failureOccurred = device->remap_failure;
     return NVML_SUCCESS;
+}
+
+/* ---- running processes -------------------------------------------------- */
+
+/* nvmlProcessInfo_v1_t, filled by the unversioned calls. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+
+/* nvmlProcessInfo_v2_t, which nvml.h also names nvmlProcessInfo_t: what the
+ * _v2 and _v3 calls fill.  It starts with the v1 layout. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;     /* 0xFFFFFFFF outside MIG */
+    unsigned int computeInstanceId; /* 0xFFFFFFFF outside MIG */
+} nvmlProcessInfo_v2_t;
+typedef nvmlProcessInfo_v2_t nvmlProcessInfo_t;
+
+#define MOCK_NO_INSTANCE 0xFFFFFFFFu
+#define MOCK_NOT_AVAILABLE 0xFFFFFFFFFFFFFFFFull /* NVML_VALUE_NOT_AVAILABLE */
+#define MOCK_PROC_COMPUTE 0
+#define MOCK_PROC_GRAPHICS 1
+
+/* Whether pid is a live process of this machine (a zombie has exited and
+ * lost its GPU contexts, so it does not count): /proc/<pid>/stat's state. */
+static int pid_alive(unsigned int pid)
+{
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t len = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (len <= 0)
+        return 0;
+    buf[len] = '\0';
+    const char *paren = strrchr(buf, ')'); /* the command name may hold anything but ends at the last ')' */
+    if (paren == NULL || paren[1] != ' ')
+        return 0;
+    return paren[2] != 'Z' && paren[2] != 'X' && paren[2] != 'x';
+}
+
+/* An unsigned decimal token, entirely; "-" for used bytes is NVML_VALUE_NOT_AVAILABLE. */
+static int parse_number(const char *token, unsigned long long max, unsigned long long *value)
+{
+    char *end;
+    if (token == NULL || token[0] < '0' || token[0] > '9')
+        return -1;
+    errno = 0;
+    unsigned long long number = strtoull(token, &end, 10);
+    if (errno != 0 || *end != '\0' || number > max)
+        return -1;
+    *value = number;
+    return 0;
+}
+
+struct process_line {
+    int kind;
+    unsigned int gpu, pid, gi, ci;
+    unsigned long long used;
+};
+
+/* One line of the processes file: "<gpu> <pid> <bytes> [<gi> <ci>]" (a compute
+ * process) or "graphics <gpu> <pid> <bytes>".  0: a record, 1: blank or a
+ * comment, -1: malformed. */
+static int parse_process_line(char *line, struct process_line *out)
+{
+    char *tokens[8], *save = NULL;
+    unsigned int n = 0;
+    unsigned long long gpu, pid, gi = MOCK_NO_INSTANCE, ci = MOCK_NO_INSTANCE, used = MOCK_NOT_AVAILABLE;
+
+    for (char *token = strtok_r(line, " \t\r\n", &save); token != NULL && n < 8; token = strtok_r(NULL, " \t\r\n", &save))
+        tokens[n++] = token;
+    if (n == 0 || tokens[0][0] == '#')
+        return 1;
+    unsigned int first = 0;
+    out->kind = MOCK_PROC_COMPUTE;
+    if (strcmp(tokens[0], "graphics") == 0) {
+        out->kind = MOCK_PROC_GRAPHICS;
+        first = 1;
+        if (n != 4)
+            return -1;
+    } else if (n != 3 && n != 5) {
+        return -1;
+    }
+    if (parse_number(tokens[first], MOCK_MAX_GPUS - 1, &gpu) != 0 || parse_number(tokens[first + 1], INT_MAX, &pid) != 0 ||
+        pid == 0)
+        return -1;
+    if (strcmp(tokens[first + 2], "-") != 0 && parse_number(tokens[first + 2], MOCK_NOT_AVAILABLE - 1, &used) != 0)
+        return -1;
+    if (n == 5 && (parse_number(tokens[3], MOCK_MAX_GPU_INSTANCE_ID, &gi) != 0 ||
+                   parse_number(tokens[4], MOCK_MAX_COMPUTE_INSTANCE_ID, &ci) != 0))
+        return -1;
+    *out = (struct process_line){out->kind, (unsigned int)gpu, (unsigned int)pid, (unsigned int)gi, (unsigned int)ci,
+                                 used};
+    return 0;
+}
+
+/* The common body of nvmlDeviceGet{Compute,Graphics}RunningProcesses[_v2|_v3]:
+ * the live processes the host's processes file lists for the device, written
+ * as stride-byte records (v1 or v2 layout) into infos.  A GPU lists all of its
+ * own; a MIG device those of its GPU with its gi and ci; the parent GPU of MIG
+ * devices gives the aggregate only to a privileged caller, as NVML does.
+ * Graphics contexts do not exist in MIG mode. */
+static nvmlReturn_t running_processes(nvmlDevice_t device, int kind, unsigned int *infoCount, void *infos,
+                                      size_t stride)
+{
+    nvmlReturn_t ret = check_device(device, infoCount);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    /* NULL infos only asks for the count (*infoCount == 0). */
+    if (infos == NULL && *infoCount != 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int gpu, gi = MOCK_NO_INSTANCE, ci = MOCK_NO_INSTANCE;
+    if (device->is_mig) {
+        if (kind == MOCK_PROC_GRAPHICS)
+            return NVML_ERROR_NOT_SUPPORTED;
+        pthread_mutex_lock(&g_mig_lock);
+        refresh_state(0);
+        int live = device->is_mig; /* a destroyed instance's handle is stale */
+        gpu = device->parent;
+        gi = device->gpu_instance_id;
+        ci = device->compute_instance_id;
+        pthread_mutex_unlock(&g_mig_lock);
+        if (!live)
+            return NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        gpu = device->index;
+        if (device->mig_mode == MOCK_MIG_ENABLED && geteuid() != 0)
+            return NVML_ERROR_NO_PERMISSION;
+    }
+    ensure_paths();
+    /* Writers replace the file by rename, so one open reads one whole version. */
+    FILE *file = g_processes_path[0] ? fopen(g_processes_path, "re") : NULL;
+    if (file == NULL && g_processes_path[0] && errno != ENOENT) {
+        fprintf(stderr, "mock-nvml: cannot read %s: %s\n", g_processes_path, strerror(errno));
+        return NVML_ERROR_UNKNOWN;
+    }
+    unsigned int capacity = *infoCount, found = 0, lineno = 0;
+    char line[256];
+    while (file != NULL && fgets(line, sizeof line, file) != NULL) {
+        struct process_line entry;
+        lineno++;
+        int parsed = parse_process_line(line, &entry);
+        if (parsed < 0) {
+            fprintf(stderr, "mock-nvml: %s:%u: malformed process line\n", g_processes_path, lineno);
+            fclose(file);
+            return NVML_ERROR_UNKNOWN;
+        }
+        if (parsed > 0 || entry.kind != kind || entry.gpu != gpu)
+            continue;
+        if (device->is_mig && (entry.gi != gi || entry.ci != ci))
+            continue;
+        if (!pid_alive(entry.pid))
+            continue;
+        if (found < capacity) {
+            nvmlProcessInfo_v2_t info = {entry.pid, entry.used, entry.gi, entry.ci};
+            memcpy((char *)infos + (size_t)found * stride, &info, stride);
+        }
+        found++;
+    }
+    if (file != NULL)
+        fclose(file);
+    *infoCount = found;
+    return found > capacity ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                                 nvmlProcessInfo_t *infos)
+{
+    COUNT_CALL();
+    return running_processes(device, MOCK_PROC_COMPUTE, infoCount, infos, sizeof *infos);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                                 nvmlProcessInfo_v2_t *infos)
+{
+    COUNT_CALL();
+    return running_processes(device, MOCK_PROC_COMPUTE, infoCount, infos, sizeof *infos);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                              nvmlProcessInfo_v1_t *infos)
+{
+    COUNT_CALL();
+    return running_processes(device, MOCK_PROC_COMPUTE, infoCount, infos, sizeof *infos);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                                  nvmlProcessInfo_t *infos)
+{
+    COUNT_CALL();
+    return running_processes(device, MOCK_PROC_GRAPHICS, infoCount, infos, sizeof *infos);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                                  nvmlProcessInfo_v2_t *infos)
+{
+    COUNT_CALL();
+    return running_processes(device, MOCK_PROC_GRAPHICS, infoCount, infos, sizeof *infos);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                               nvmlProcessInfo_v1_t *infos)
+{
+    COUNT_CALL();
+    return running_processes(device, MOCK_PROC_GRAPHICS, infoCount, infos, sizeof *infos);
 }
 
 /* ---- MIG ------------------------------------------------------------------ */
