@@ -88,12 +88,18 @@ class Config:
     #: environment, else this default): a compute container gets it at the same path while it exists;
     #: None: never
     mps_pipe_directory: Path | None = Path("/tmp/nvidia-mps")
+    #: where gpuhookd serves Prometheus metrics (``127.0.0.1:9490``); None: it does not
+    metrics_listen: str | None = None
+    #: dcgm-exporter's HPC job-mapping directory (``--hpc-job-mapping-dir``): gpuhook keeps ``<dir>/<gpu index>``
+    #: holding the ids of the containers that hold that GPU; None: not kept
+    hpc_job_mapping_dir: Path | None = None
 
 
 _FIELDS: Final = {f.name: f for f in dataclasses.fields(Config)}
 _PATH_KEYS: Final = ("driver_root", "dev_root", "proc_root", "ldconfig")
 #: null disables the feature
-_OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir", "state_dir", "device_policy", "mps_pipe_directory")
+_OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir", "state_dir", "device_policy", "mps_pipe_directory",
+                               "hpc_job_mapping_dir")
 _BOOL_KEYS: Final = (
     "accept_envvar_when_unprivileged", "accept_volume_mounts", "accept_cdi_annotations", "no_cgroups", "cuda_compat",
 )
@@ -216,15 +222,27 @@ def parse_flat_yaml(text: str) -> Any:
     return data or None
 
 
+#: host:port with a dotted IPv4 address, a [bracketed] IPv6 one or a host name
+_LISTEN: Final = re.compile(r"(\[[0-9a-fA-F:.]+\]|[0-9A-Za-z.-]+):([0-9]{1,5})")
+
+
+def _listen_address(value: Any, where: str) -> str:
+    found = _LISTEN.fullmatch(value) if isinstance(value, str) else None
+    if found is None or not 0 < int(found[2]) < 65536:
+        raise ConfigError(f"{where} must be HOST:PORT (127.0.0.1:9490; dcgm-exporter has 9400, node-exporter "
+                          f"9100), got {value!r}")
+    return str(value)
+
+
 def _convert(key: str, value: Any, source: str) -> Any:
     """Check and convert one setting."""
     where = f"{source}: {key}"
-    if key in _PATH_KEYS or (key in _OPTIONAL_PATH_KEYS and value is not None):
+    if key in (*_OPTIONAL_PATH_KEYS, "metrics_listen") and value is None:
+        return None  # the feature is off
+    if key in _PATH_KEYS or key in _OPTIONAL_PATH_KEYS:
         if not isinstance(value, str) or not value.startswith("/"):
             raise ConfigError(f"{where} must be an absolute path, got {value!r}")
         return Path(value)
-    if key in _OPTIONAL_PATH_KEYS:
-        return None
     if key in _BOOL_KEYS:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
@@ -237,8 +255,10 @@ def _convert(key: str, value: Any, source: str) -> Any:
         return kind(value)
     if key == "gpus":
         return decode_gpus(value, source=source)
-    if key == "timeout_seconds":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 600:
-            raise ConfigError(f"{where} must be a number of seconds in (0, 600], got {value!r}")
-        return float(value)
-    raise AssertionError(key)  # pragma: no cover - _FIELDS and the branches above agree
+    return {"metrics_listen": _listen_address, "timeout_seconds": _seconds}[key](value, where)
+
+
+def _seconds(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 600:
+        raise ConfigError(f"{where} must be a number of seconds in (0, 600], got {value!r}")
+    return float(value)

@@ -54,6 +54,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from datetime import datetime
 
+    from gpuhook.sharing.attribution import UsageView
+
     from gpuhook.apply.ahead import ChildAhead
     from gpuhook.cdi import Rendered
 
@@ -194,6 +196,7 @@ def stop(config: Config, state_obj: Mapping[str, Any], *, served_by: str) -> Non
     if released is not None:
         log.info("lease_released", devices=list(released.devices), why="poststop")
         _host_cleanup(config)
+        _job_mapping(config)
     elif kept is not None:
         log.warning("lease_kept", pid=kept.holder.pid, why="its holder still runs; released when it exits")
 
@@ -206,6 +209,7 @@ def release(config: Config, container_id: str) -> Lease | None:
     if lease is not None:
         get_logger().info("lease_released", container_id=container_id, devices=list(lease.devices), why="by hand")
         _host_cleanup(config)
+        _job_mapping(config)
     return lease
 
 
@@ -220,6 +224,8 @@ def reclaim_gone(config: Config) -> tuple[Ledger, tuple[Lease, ...]]:
     if ledger.recycle or ledger.idle_daemons():
         _host_cleanup(config)
         ledger = ledger_store.read(config.state_dir)
+    if stale:
+        _job_mapping(config)
     return ledger, stale
 
 
@@ -232,6 +238,7 @@ def release_gone(config: Config, container_id: str) -> None:
         get_logger().info("lease_released", container_id=container_id, devices=list(released.devices),
                           pid=released.holder.pid, why="holder exited", served_by="gpuhookd")
         _host_cleanup(config)
+        _job_mapping(config)
 
 
 def lease_holders(config: Config) -> tuple[Lease, ...]:
@@ -299,6 +306,7 @@ def _reserve(config: Config, request: GpuRequest, found: Found, target: Target, 
         _host_cleanup(config, inventory)  # a refusal still destroys what the gone holders' leases had made
         raise
     undo.callback(_drop, config, container.id, holder)
+    _job_mapping(config, inventory)
     get_logger().info("lease_reserved", devices=list(taken.allocation.devices), ms=_ms(step),
                       reclaimed=[lease.container_id for lease in taken.reclaimed])
     allocation = taken.allocation
@@ -366,6 +374,7 @@ def _drop(config: Config, container_id: str, holder: Holder) -> None:
     assert config.state_dir is not None
     leases.drop(config.state_dir, container_id, holder)
     _host_cleanup(config)
+    _job_mapping(config)
 
 
 def _host_cleanup(config: Config, inventory: Inventory | None = None) -> None:
@@ -402,6 +411,31 @@ def _host_cleanup(config: Config, inventory: Inventory | None = None) -> None:
     for record, error in failed:
         log.warning("mig_not_destroyed", uuid=record.uuid, gpu=record.gpu, gi=record.gi, error=error,
                     why="the next reclaim tries again")
+
+
+def _job_mapping(config: Config, inventory: Inventory | None = None) -> None:
+    """dcgm-exporter's job-mapping files rewritten from the ledger (under its lock, so the newest holders win);
+    never raises: a failure is logged, and the next change of holders writes them again."""
+    if config.hpc_job_mapping_dir is None or config.state_dir is None:
+        return
+    from gpuhook.provision import jobmap
+
+    directory = config.hpc_job_mapping_dir
+    try:
+        known = inventory or inventory_for(config, LiveNeeds()).inventory
+        by_uuid = {g.uuid.casefold(): g.index for g in known.gpus}
+        migs = {m.uuid.casefold(): m.parent_index for m in known.mig_devices}
+
+        def write(ledger: Ledger) -> tuple[Ledger, None]:
+            parents = by_uuid | migs
+            parents.update((r.uuid.casefold(), by_uuid[r.gpu.casefold()]) for lease in ledger.leases
+                           for r in lease.migs if r.uuid and r.gpu.casefold() in by_uuid)
+            jobmap.write(directory, ledger, parents)
+            return ledger, None
+
+        ledger_store.update(config.state_dir, write)
+    except GpuHookError as err:
+        get_logger().warning("job_mapping_not_written", error=str(err), why="written again at the next change")
 
 
 def _recorded(config: Config) -> tuple[MigRecord, ...]:
@@ -569,6 +603,23 @@ def render_cdi(config: Config, hook_argv: list[str] | None) -> Rendered:
                     unhealthy_gpus=HealthPolicy.IGNORE)
     found = host_inventory(config)
     return render_spec(found.inventory, found.live, target, hook_argv)
+
+
+def usage_view(config: Config) -> UsageView:
+    """Who uses which GPU now (the metrics endpoint, ``status --prometheus``): read-only, reclaims nothing."""
+    from gpuhook.discovery.usage import cgroup_of, gpu_processes
+    from gpuhook.sharing.attribution import usage_view as view
+    from gpuhook.sys.procstat import start_ticks
+
+    inventory = host_inventory(config).inventory
+    try:
+        ledger = ledger_store.read(config.state_dir) if config.state_dir is not None else Ledger()
+    except StateError:
+        ledger = Ledger()
+    mps_up = {d.gpu: d.holder is not None and start_ticks(d.holder.pid) == d.holder.start for d in ledger.daemons}
+    cgroups = {lease.container_id: path for lease in ledger.leases if (path := cgroup_of(lease.holder.pid))}
+    return view(inventory, config.gpus.resolve(inventory.gpus), ledger, mps_up=mps_up,
+                processes=gpu_processes(inventory) if ledger.leases else (), holder_cgroups=cgroups)
 
 
 def host_inventory(config: Config, *, refresh: bool = False) -> Found:

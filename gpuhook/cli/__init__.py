@@ -67,7 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="kill a request's worker after this long (default 120)")
     commands.add_parser("doctor", help="check the driver, ldconfig and device-cgroup set-up; say how to fix")
     status = commands.add_parser("status", help="every GPU, its sharing policy and the containers holding it")
-    status.add_argument("--json", action="store_true", help="print JSON")
+    shape = status.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="print JSON")
+    shape.add_argument("--prometheus", action="store_true",
+                       help="print the metrics endpoint's text (for node-exporter's textfile collector)")
     release = commands.add_parser("release", help="drop a container's GPU lease by hand (its holder may still run)")
     release.add_argument("container_id", metavar="CONTAINER_ID", help="the container's id (`gpuhook status`)")
     info = commands.add_parser("info", help="the host's driver and GPUs")
@@ -186,7 +189,7 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
         case "status":
             from gpuhook.cli import status
 
-            return status.run_status(config, debug, env, as_json=args.json)
+            return status.run_status(config, debug, env, as_json=args.json, prometheus=args.prometheus)
         case "release":
             from gpuhook.cli import status
 

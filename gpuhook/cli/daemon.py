@@ -6,7 +6,7 @@ import math
 import os
 
 from gpuhook import __version__, service
-from gpuhook.config import ENV_VAR
+from gpuhook.config import ENV_VAR, Config
 from gpuhook.daemon import pool, server
 from gpuhook.errors import ConfigError
 
@@ -42,5 +42,29 @@ def run_daemon(socket_path: str, *, request_timeout: float, env: MutableMapping[
         # instead of waiting in the backlog for the imports (systemd's socket queues them).
         listener = server.bind_socket(socket_path)
     os.chdir("/")
+    settings = own.load(False)
+    if settings.metrics_listen is not None:
+        pid = _fork_metrics(settings, listener.fileno())
+        server.say(f"metrics on http://{settings.metrics_listen}/metrics (process {pid})")
     server.say(f"serving on {where} (gpuhook {__version__}, pid {os.getpid()}, config {own.path})")
     pool.serve(listener, request_timeout=request_timeout, config=own)
+
+
+def _fork_metrics(config: Config, listener_fd: int) -> int:
+    """The metrics process: serves the endpoint until gpuhookd ends (it dies with it). No start waits on it,
+    so it being slow, stopped or dead costs a start nothing; it is not restarted (the journal says it died)."""
+    import signal
+
+    from gpuhook.daemon import metrics
+    from gpuhook.sys import process
+
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        process.prctl(process.PR_SET_PDEATHSIG, signal.SIGTERM)
+        os.close(listener_fd)  # the hooks' socket is the workers'
+        metrics.serve(config)
+    except BaseException as err:  # noqa: BLE001  (the child's end: say why, never return into the parent's code)
+        server.say(f"the metrics endpoint on {config.metrics_listen} stopped: {err}")
+    os._exit(1)

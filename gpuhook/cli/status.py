@@ -14,10 +14,16 @@ from gpuhook.inventory import Gpu, MigDevice
 from gpuhook.sharing.ledger import Lease, Ledger, MpsDaemon, age
 
 
-def run_status(config_arg: str | None, debug: bool, env: Mapping[str, str], *, as_json: bool) -> int:
+def run_status(config_arg: str | None, debug: bool, env: Mapping[str, str], *, as_json: bool,
+               prometheus: bool = False) -> int:
     """Print every GPU, its policy and its holders (after reclaiming the leases of gone holders)."""
     config = service.load_settings(config_arg, debug, env)
     report = service.status(config)
+    if prometheus:
+        from gpuhook.daemon import metrics
+
+        sys.stdout.write(metrics.render(config).decode())
+        return 0
     data = status_object(report)
     if as_json:
         json.dump(data, sys.stdout, indent=2)

@@ -1,12 +1,38 @@
 """Prometheus metrics of gpuhook: every start, the GPUs and who holds them (issue 18).
 
-The names below are the endpoint's contract (the Grafana dashboard in packaging/grafana/ is
-checked against them).
+gpuhookd serves them from a process of its own (``serve``, forked at its start when
+``metrics_listen`` is set): the starts never talk to it, so a dead or stopped metrics process
+cannot slow one. What it serves is computed at each scrape (``Collector``), read-only:
+
+* **counters** from gpuhook's own log (``log_file``): each start logs its outcome there, whether a
+  gpuhookd worker served it or the hook did it in-process, so both are counted without the start
+  paying for metrics. The log is read incrementally, from its start (a rotated log starts over:
+  the counters keep counting in this process, and Prometheus takes a restarted process's reset);
+* **gauges** from the lease ledger and the cached inventory: the GPUs, their policy, their
+  holders, the MIG instances, the MPS daemons;
+* GPU memory per container from NVML's running-process lists, each process mapped to the
+  container whose init's cgroup holds it.
+
+``gpuhook status --prometheus`` renders the same text once (for node-exporter's textfile
+collector). The names in ``METRICS`` are the contract (packaging/grafana/ is checked against them).
 """
 
 from __future__ import annotations
 
-from typing import Final
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from gpuhook import service
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector as _Base
+
+    from gpuhook.config import Config
+else:
+    _Base = object
 
 #: Every metric family the endpoint serves (histograms add _bucket, _sum and _count series).
 METRICS: Final = (
@@ -21,3 +47,170 @@ METRICS: Final = (
     "gpuhook_mps_daemon_up",
     "gpuhook_container_gpu_memory_used_bytes",
 )
+
+#: GPU start durations: buckets that resolve 10-200 ms, and the tail.
+BUCKETS: Final = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+#: The refusal reasons, by error class (a refusal is the container's request being turned down).
+REASONS: Final = {
+    "UnknownDeviceError": "unknown_device", "RequirementError": "requirement", "UnhealthyGpuError": "unhealthy",
+    "BusyError": "busy", "PolicyError": "policy", "RequestError": "bad_request", "SpecError": "bad_spec",
+}
+#: Inventory cache outcomes (discovery.Outcome) as hit, miss or rebuild.
+_CACHE: Final = {"hit": "hit", "refresh": "rebuild", "mig-changed": "rebuild"}
+#: A log larger than this is read from its last part only, the first time.
+_FIRST_READ_LIMIT: Final = 64 << 20
+
+
+@dataclass(slots=True)
+class LogCounters:
+    """The start counters, kept up to date from the log file's new lines at each call of ``update``."""
+
+    path: str | None
+    starts: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
+    cache: dict[str, int] = field(default_factory=dict)
+    buckets: list[int] = field(default_factory=lambda: [0] * len(BUCKETS))
+    duration_sum: float = 0.0
+    duration_count: int = 0
+    _inode: int | None = None
+    _offset: int = 0
+    _partial: bytes = b""
+
+    def update(self) -> None:
+        """Count the lines logged since the last call (from the start after a rotation)."""
+        if self.path is None:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return
+        with os.fdopen(fd, "rb") as log:
+            st = os.fstat(log.fileno())
+            if st.st_ino != self._inode or st.st_size < self._offset:
+                self._inode, self._partial = st.st_ino, b""
+                self._offset = max(0, st.st_size - _FIRST_READ_LIMIT) if self._offset == 0 else 0
+            log.seek(self._offset)
+            data = self._partial + log.read()
+            self._offset = log.tell()
+        *lines, self._partial = data.split(b"\n")
+        for line in lines:
+            self._count(line)
+
+    def _count(self, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(event, dict):
+            return
+        name, served_by = event.get("event"), str(event.get("served_by") or "hook")
+        if name == "applied" and isinstance(event.get("total_ms"), int | float):
+            self._start("ok", served_by, "yes")
+            self._observe(event["total_ms"] / 1000)
+        elif name == "no_gpu_requested":
+            self._start("ok", served_by, "no")
+        elif name == "hook_failed":
+            reason = REASONS.get(str(event.get("kind")))
+            if reason == "busy" and "no room for a" in str(event.get("error")):
+                reason = "mig_no_room"
+            self._start("refused" if reason else "error", served_by, "no" if reason == "bad_spec" else "yes")
+            if reason:
+                self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        elif name == "host_discovered":
+            result = _CACHE.get(str(event.get("cache")), "miss")
+            self.cache[result] = self.cache.get(result, 0) + 1
+
+    def _start(self, result: str, served_by: str, gpus: str) -> None:
+        key = (result, served_by, gpus)
+        self.starts[key] = self.starts.get(key, 0) + 1
+
+    def _observe(self, seconds: float) -> None:
+        self.duration_sum += seconds
+        self.duration_count += 1
+        for n, bound in enumerate(BUCKETS):
+            if seconds <= bound:
+                self.buckets[n] += 1
+
+
+class Collector(_Base):
+    """prometheus_client's custom collector: every family in METRICS, computed at each scrape."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.counters = LogCounters(str(config.log_file) if config.log_file else None)
+
+    def collect(self) -> Iterator[Any]:
+        """The families, from the log's new lines, the ledger and the inventory as they are now."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        counters = self.counters
+        counters.update()
+        starts = CounterMetricFamily("gpuhook_container_starts", "Container starts gpuhook saw, by outcome",
+                                     labels=("result", "served_by", "gpus"))
+        for (result, served_by, gpus), value in sorted(counters.starts.items()):
+            starts.add_metric((result, served_by, gpus), value)
+        yield starts
+        refusals = CounterMetricFamily("gpuhook_refusals", "Container starts refused, by reason", labels=("reason",))
+        for reason, value in sorted(counters.refusals.items()):
+            refusals.add_metric((reason,), value)
+        yield refusals
+        cumulative = [(str(bound), count) for bound, count in zip(BUCKETS, counters.buckets, strict=True)]
+        yield HistogramMetricFamily("gpuhook_start_duration_seconds", "GPU container starts, hook's own time",
+                                    buckets=[*cumulative, ("+Inf", counters.duration_count)],
+                                    sum_value=counters.duration_sum)
+        cache = CounterMetricFamily("gpuhook_inventory_cache", "Inventory lookups of GPU starts", labels=("result",))
+        for result, value in sorted(counters.cache.items()):
+            cache.add_metric((result,), value)
+        yield cache
+        yield from host_families(self.config, GaugeMetricFamily)
+
+
+def host_families(config: Config, gauge: Any) -> Iterator[Any]:
+    """The gauges of the GPUs, their holders, MIG instances, MPS daemons and memory per container."""
+    view = service.usage_view(config)
+    info = gauge("gpuhook_gpu_info", "A GPU of this host and its sharing policy",
+                 labels=("gpu", "uuid", "model", "sharing"))
+    holders = gauge("gpuhook_gpu_holders", "Containers holding the GPU (whole or a MIG device on it)",
+                    labels=("gpu", "uuid"))
+    held = gauge("gpuhook_container_gpu_info", "A container's lease on a GPU or MIG device",
+                 labels=("container_id", "gpu", "uuid", "mig_uuid"))
+    mig = gauge("gpuhook_mig_instances", "MIG devices that exist now", labels=("gpu", "profile", "created_by_gpuhook"))
+    mps = gauge("gpuhook_mps_daemon_up", "gpuhook's MPS daemon of the GPU runs", labels=("gpu",))
+    memory = gauge("gpuhook_container_gpu_memory_used_bytes", "GPU memory the container's processes use (NVML)",
+                   labels=("container_id", "gpu"))
+    for gpu in view.gpus:
+        info.add_metric((str(gpu.index), gpu.uuid, gpu.model, gpu.sharing), 1)
+        holders.add_metric((str(gpu.index), gpu.uuid), len(gpu.holders))
+        if gpu.mps_up is not None:
+            mps.add_metric((str(gpu.index),), 1 if gpu.mps_up else 0)
+    for lease in view.leases:
+        held.add_metric((lease.container_id, str(lease.gpu), lease.uuid, lease.mig_uuid), 1)
+    for (parent, profile, created), count in sorted(view.mig_instances.items()):
+        mig.add_metric((str(parent), profile, "true" if created else "false"), count)
+    for (container_id, on), used in sorted(view.memory.items()):
+        memory.add_metric((container_id, str(on)), used)
+    yield from (info, holders, held, mig, mps, memory)
+
+
+def render(config: Config) -> bytes:
+    """The exposition text once (``gpuhook status --prometheus``): the log's counters read whole."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collector(config))
+    return bytes(generate_latest(registry))
+
+
+def serve(config: Config) -> None:
+    """Serve the endpoint on ``config.metrics_listen`` until killed (the metrics process's body)."""
+    import signal
+
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    assert config.metrics_listen is not None
+    host, _, port = config.metrics_listen.rpartition(":")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collector(config))
+    start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+    while True:
+        signal.pause()

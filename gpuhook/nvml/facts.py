@@ -218,3 +218,21 @@ def _profile_from_name(name: str) -> str:
     """The GPU-instance profile at the end of a MIG device's name, or ""."""
     match = _MIG_NAME_PROFILE.search(name)
     return match["profile"] if match else ""
+
+
+def running_processes(library: Path) -> tuple[tuple[int, int, int], ...]:
+    """(GPU index, pid, used bytes) of every process with a context on a GPU (compute and graphics), as NVML
+    lists them now; a GPU whose driver does not say lists none. For the metrics side only: never on a start."""
+    with _session(library):
+        found: dict[tuple[int, int], int] = {}
+        for index in range(_call(pynvml.nvmlDeviceGetCount)):
+            handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
+            for lister in (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses):
+                try:
+                    processes = lister(handle)
+                except (*_ABSENT, pynvml.NVMLError_NoPermission):
+                    continue
+                for process in processes:
+                    used = process.usedGpuMemory if isinstance(process.usedGpuMemory, int) else 0
+                    found[(index, process.pid)] = max(found.get((index, process.pid), 0), used)
+        return tuple((index, pid, used) for (index, pid), used in sorted(found.items()))
