@@ -258,15 +258,18 @@ class HostStatus:
     inventory: Inventory
     policies: Mapping[int, GpuPolicy]
     ledger: Ledger
+    #: (container id, GPU index) → GPU memory its processes use, where NVML lists them
+    memory: Mapping[tuple[str, int], int]
 
 
 def status(config: Config) -> HostStatus:
     """Every GPU with its policy and holders, after reclaiming the leases of gone holders (and destroying the
-    instances gpuhook made for them)."""
+    instances gpuhook made for them), with the GPU memory each holder uses (NVML's process lists)."""
     ledger = reclaim_gone(config)[0]
     found = host_inventory(config)
     policies = config.gpus.resolve(found.inventory.gpus)
-    return HostStatus(inventory=found.inventory, policies=policies, ledger=ledger)
+    return HostStatus(inventory=found.inventory, policies=policies, ledger=ledger,
+                      memory=usage_view(config).memory if ledger.leases else {})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -48,11 +48,12 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import venv
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from integration.engines import default_spec, require_tool, run_container, unique_id, write_bundle
 from integration.fakehost import FakeHost, create_host
@@ -133,8 +134,9 @@ def install_hook(dest: Path) -> Path:
     return dest / "bin" / "python"
 
 
-def write_config(path: Path, host: FakeHost, *, cache: bool, leases: bool = True) -> Path:
-    """A production-like config for *host*: info-level log, cache and lease ledger in the host's /run (or none)."""
+def write_config(path: Path, host: FakeHost, *, cache: bool, leases: bool = True, metrics: str | None = None) -> Path:
+    """A production-like config for *host*: info-level log, cache and lease ledger in the host's /run (or none),
+    gpuhookd's metrics endpoint on *metrics* (HOST:PORT) or none."""
     cache_dir = json.dumps(str(host.root / "run" / "gpuhook")) if cache else "null"
     # The ledger on tmpfs, as /run is on a real host (on this VM's ext4 each journaled rename costs ~1 ms).
     state_dir = json.dumps(str(STATE_TMPFS / path.stem)) if leases else "null"
@@ -146,6 +148,7 @@ def write_config(path: Path, host: FakeHost, *, cache: bool, leases: bool = True
         "log_level: info\n"
         f"cache_dir: {cache_dir}\n"
         f"state_dir: {state_dir}\n"
+        + (f"metrics_listen: {metrics}\n" if metrics else "")
     )
     return path
 
@@ -188,6 +191,30 @@ def make_spec(scenario: Scenario, wrapper: tuple[str, ...] = ()) -> dict[str, An
     return spec
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+#: The metrics scenarios' endpoint, scraped every second while the runs go on (as Prometheus would).
+METRICS_ADDRESS: Final = f"127.0.0.1:{_free_port()}"
+
+
+def scrape_every_second(stop: threading.Event) -> None:
+    """GET the metrics endpoint once a second until *stop* is set (a failed scrape is not the bench's concern)."""
+    import urllib.request
+
+    while not stop.wait(1.0):
+        try:
+            with urllib.request.urlopen(f"http://{METRICS_ADDRESS}/metrics", timeout=5) as answer:
+                answer.read()
+        except OSError:
+            pass
+
+
 def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
                    daemon_for: Callable[[Path], str]) -> list[Scenario]:
     """Hosts with 1, 8 and 64 GPUs (built once) and every scenario on them.
@@ -205,6 +232,7 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
     mig_cfg = write_config(configs / "a100-mig.yaml", a100, cache=True)
     no_cache = write_config(configs / "host8-nocache.yaml", hosts[8], cache=False)
     no_leases = write_config(configs / "host8-noleases.yaml", hosts[8], cache=True, leases=False)
+    with_metrics = write_config(configs / "host8-metrics.yaml", hosts[8], cache=True, metrics=METRICS_ADDRESS)
 
     def hook(config: Path) -> tuple[str, ...]:
         return (str(relay), "--config", str(config), "--daemon-socket", daemon_for(config), "prestart")
@@ -230,6 +258,10 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
                  gpus(COMPUTE), hook(no_leases), cached=True),
         Scenario("no-gpu-poststop", "hook for prestart and poststop, container asks for no GPU", hosts[8],
                  hook_argv=hook(cfg[8]), poststop=True),
+        Scenario("no-gpu-metrics", "hook, container asks for no GPU, gpuhookd's metrics endpoint on", hosts[8],
+                 hook_argv=hook(with_metrics)),
+        Scenario("gpu8-metrics", "hook, 8 GPUs, compute,utility, gpuhookd's metrics endpoint on (scraped)", hosts[8],
+                 gpus(COMPUTE), hook(with_metrics), cached=True),
         Scenario("mig-on-demand", "hook for prestart and poststop, MIG on demand: 0,mig=1g.5gb made at the "
                  "start, destroyed at poststop (A100-40GB)", a100, ("NVIDIA_VISIBLE_DEVICES=0,mig=1g.5gb",
                                                                     f"NVIDIA_DRIVER_CAPABILITIES={COMPUTE}"),
@@ -475,7 +507,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         scenarios = make_scenarios(python, relay, rootfs_src, WORK, daemon_for)
         print(f"running {len(scenarios)} scenarios × {args.runs} runs, interleaved", file=sys.stderr)
-        samples = measure(scenarios, python, rootfs_src, WORK, args.runs)
+        stop_scraping = threading.Event()
+        scraper = threading.Thread(target=scrape_every_second, args=(stop_scraping,), daemon=True)
+        scraper.start()
+        try:
+            samples = measure(scenarios, python, rootfs_src, WORK, args.runs)
+        finally:
+            stop_scraping.set()
     finally:
         journals = [daemon.stop() for daemon in daemons.values()]
     if any("request failed" in journal for journal in journals):

@@ -55,7 +55,8 @@ def status_object(report: service.HostStatus) -> dict[str, Any]:
         migs = {m.uuid.casefold() for m in inventory.mig_devices if m.parent_index == gpu.index}
         holding = ledger.holding(gpu.uuid, *migs)
         holding += tuple(lease for lease in ledger.holding_mig_on(gpu.uuid) if lease not in holding)
-        holders = [_holder(lease, gpu, migs) for lease in holding]
+        holders = [_holder(lease, gpu, migs) | {"memory_used_bytes": report.memory.get((lease.container_id, gpu.index))}
+                   for lease in holding]
         gpus.append({
             "index": gpu.index, "uuid": gpu.uuid, "model": gpu.model, "pci_bus_id": gpu.pci_bus_id,
             "sharing": policy.sharing.value, "replicas": policy.replicas,
@@ -121,4 +122,6 @@ def status_text(data: Mapping[str, Any], *, leasing: bool) -> str:
 def _holder_text(holder: Mapping[str, Any], now: datetime) -> str:
     what = "" if holder["whole_gpu"] else f" MIG {','.join(holder['mig_uuids'])}"
     starting = ", starting" if holder["state"] == "reserved" else ""
-    return f"{holder['container_id']} (pid {holder['pid']}, {age(holder['since'], now)}{starting}){what}"
+    used = holder.get("memory_used_bytes")
+    memory = f", {used / (1 << 30):.1f} GiB of GPU memory" if used is not None else ""
+    return f"{holder['container_id']} (pid {holder['pid']}, {age(holder['since'], now)}{starting}{memory}){what}"
