@@ -41,6 +41,7 @@ from gpuhook import __version__, hookcall, service
 from gpuhook.config import resolve_config_path
 from gpuhook.daemon import trust, wire
 from gpuhook.errors import ConfigError, GpuHookError, SpecError, report_failure
+from gpuhook.log import get_logger
 from gpuhook.sys import fdpass
 
 TYPE_CHECKING = False
@@ -142,7 +143,25 @@ def handle(conn: socket.socket, *, request_timeout: float, config: OwnConfig) ->
         return reply  # it owns the fds now
     _close_all(fds)
     _answer(conn, reply)
+    _log_answered(config)
     return None
+
+
+#: The ids of the no-GPU starts answered and not yet logged: each is logged once its answer is sent (the
+#: metrics count them from the log), so that the start never waits for the log.
+_answered_no_gpu: list[str] = []
+
+
+def _log_answered(config: OwnConfig) -> None:
+    """Log the no-GPU starts just answered (the start has its answer already)."""
+    while _answered_no_gpu:
+        container_id = _answered_no_gpu.pop()
+        try:
+            config.load(False)
+        except GpuHookError:
+            _answered_no_gpu.clear()
+            return
+        get_logger().info("no_gpu_requested", container_id=container_id, served_by="gpuhookd")
 
 
 def _checked(conn: socket.socket, kind: bytes, parts: list[bytes], fds: list[int],
@@ -199,7 +218,10 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int],  # noqa: PLR0911 - 
         call = hookcall.read_hook_call(args, env, state_bytes, spec_bytes=spec_bytes, root_fd=fds[4])
     except GpuHookError as err:
         return b"done", 1, report_failure(err) + "\n"
-    if args.action == hookcall.NOTHING or (args.action == hookcall.START and not call.asks_gpu):
+    if args.action == hookcall.START and not call.asks_gpu:
+        _answered_no_gpu.append(str(call.state.get("id", "")))
+        return b"done", 0, ""
+    if args.action == hookcall.NOTHING:
         return b"done", 0, ""
     # The GPU work (and a stop's ledger) reads settings, the log file and the roots from a config: the daemon's.
     theirs = str(resolve_config_path(args.config, env)[0])
