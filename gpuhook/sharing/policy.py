@@ -257,16 +257,22 @@ def _decode_entry(item: Any, keys: _Keys, where: str) -> GpuPolicy:
                      mig=mig, mps=MpsLimits() if sharing is Sharing.MPS and mps is None else mps)
 
 
-def _mps(value: Any, keys: _Keys, where: str) -> MpsLimits | None:
+def _nested(value: Any, names: tuple[str, str], where: str) -> Mapping[str, Any] | None:
+    """A nested mapping (``mig``, ``mps``) of at most the keys *names*, or None when absent."""
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{where} must be a mapping with {keys.mps_threads!r} and/or {keys.mps_memory!r}, "
-                          f"got {value!r}")
-    unknown = sorted(str(k) for k in value if k not in (keys.mps_threads, keys.mps_memory))
+        raise ConfigError(f"{where} must be a mapping with {names[0]!r} and/or {names[1]!r}, got {value!r}")
+    unknown = sorted(str(k) for k in value if k not in names)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {keys.mps_threads}, "
-                          f"{keys.mps_memory}")
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(names)}")
+    return value
+
+
+def _mps(value: Any, keys: _Keys, where: str) -> MpsLimits | None:
+    value = _nested(value, (keys.mps_threads, keys.mps_memory), where)
+    if value is None:
+        return None
     threads, memory = value.get(keys.mps_threads), value.get(keys.mps_memory)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int | float)
                                 or not 0 < threads <= 100):
@@ -317,15 +323,9 @@ def _capabilities(value: Any, where: str) -> frozenset[Capability] | None:
 
 
 def _mig(value: Any, keys: _Keys, where: str) -> MigMode | None:
+    value = _nested(value, (keys.mig_enable, keys.mig_instance), where)
     if value is None:
         return None
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where} must be a mapping with {keys.mig_enable!r} and {keys.mig_instance!r}, "
-                          f"got {value!r}")
-    unknown = sorted(str(k) for k in value if k not in (keys.mig_enable, keys.mig_instance))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; "
-                          f"known: {keys.mig_enable}, {keys.mig_instance}")
     enable, instance = value.get(keys.mig_enable), value.get(keys.mig_instance)
     if not isinstance(enable, bool):
         raise ConfigError(f"{where}.{keys.mig_enable} must be true or false, got {enable!r}")
