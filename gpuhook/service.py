@@ -35,7 +35,7 @@ from gpuhook.config import Config, HealthPolicy, load_config, resolve_config_pat
 from gpuhook.discovery import Found, Outcome, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
 from gpuhook.errors import DiscoveryError, GpuHookError, PolicyError, SpecError, StateError
-from gpuhook.inventory import DriverFile, Gpu, Inventory, LiveNeeds, narrow_to_live
+from gpuhook.inventory import DriverFile, Gpu, Inventory, LiveFacts, LiveNeeds, narrow_to_live
 from gpuhook.provision import leases, ledger_store
 from gpuhook.log import configure_logging, get_logger
 from gpuhook.oci.spec import BundleSpec, spec_from_object
@@ -151,11 +151,8 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
             # instances were made, or the allocation named MIG devices: their nodes and layout are read now
             found = inventory_for(config, live_needs(request, target), recorded=_recorded(config))
             inventory = found.inventory
-        if reserved.mps is not None:  # its daemon's pipes and shared memory, in place of the host's
-            found = dataclasses.replace(found, live=dataclasses.replace(
-                found.live, mps_pipe=DriverFile(name=catalog.MPS_PIPE_DIRECTORY, host_path=Path(reserved.mps.pipe_dir)),
-                mps_shm=DriverFile(name="/dev/shm", host_path=Path(reserved.mps.shm_dir))))
-        plan = make_plan(request, inventory, found.live, target)
+        live = found.live if reserved.mps is None else _with_mps(found.live, reserved.mps)
+        plan = make_plan(request, inventory, live, target)
         _log_plan(plan)
         step = time.monotonic()
         if (ungrant := grant_device_access(plan, ref.pid)) is not None:
@@ -342,6 +339,12 @@ def _mps_daemon(config: Config, inventory: Inventory, policies: Mapping[int, Gpu
     get_logger().info("mps_daemon", gpu=gpu.index, pid=daemon.holder.pid if daemon.holder else None,
                       thread_percentage=threads, memory_limit_mib=memory, ms=_ms(step))
     return daemon
+
+
+def _with_mps(live: LiveFacts, daemon: MpsDaemon) -> LiveFacts:
+    """*live* with *daemon*'s pipes (where CUDA looks by default) and shared memory in place of the host's."""
+    pipe = DriverFile(name=catalog.MPS_PIPE_DIRECTORY, host_path=Path(daemon.pipe_dir))
+    return dataclasses.replace(live, mps_pipe=pipe, mps_shm=DriverFile(name="/dev/shm", host_path=Path(daemon.shm_dir)))
 
 
 def _mps_control(inventory: Inventory) -> Path:
