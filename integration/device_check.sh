@@ -112,3 +112,6 @@ write_spec none "" 0 && sed -i "s#$WORK/gpuhook.yaml#$WORK/gpuhook-mps.yaml#g" "
 grep -E '"event": "mps_daemon' "$OUT/gpuhook.log" | tee -a "$OUT/mps.txt"
 cat "$WORK"/state/mps/*/log/control.log 2>/dev/null | tail -n 20 | tee -a "$OUT/mps.txt"
 pgrep -a nvidia-cuda-mps || echo "no MPS daemon left running" | tee -a "$OUT/mps.txt"
+
+echo "== the metrics text (gpuhook status --prometheus): GPUs, holders, and NVML's process lists on a real driver"
+"$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" status --prometheus 2>&1 | grep -v '^#' | tee "$OUT/metrics.txt"
