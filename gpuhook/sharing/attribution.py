@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 from gpuhook.inventory import Inventory
 from gpuhook.sharing.ledger import Ledger
-from gpuhook.sharing.policy import GpuPolicy
+from gpuhook.sharing.policy import GpuPolicy, Sharing
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GpuUse:
-    """One GPU: its identity, policy, the containers holding it, its MPS daemon (None: it has none)."""
+    """One GPU: its identity, policy, the containers holding it, whether its MPS daemon runs (None: not MPS)."""
 
     index: int
     uuid: str
@@ -80,7 +80,8 @@ def usage_view(inventory: Inventory, policies: Mapping[int, GpuPolicy], ledger: 
                                            mig_uuid=device))
     gpus = tuple(GpuUse(index=g.index, uuid=g.uuid, model=g.model, sharing=policies[g.index].sharing.value,
                         holders=tuple(dict.fromkeys(d.container_id for d in leased if d.gpu == g.index)),
-                        mps_up=mps_up.get(g.uuid)) for g in inventory.gpus)
+                        mps_up=mps_up.get(g.uuid, False if policies[g.index].sharing is Sharing.MPS else None))
+                 for g in inventory.gpus)
     made = {r.uuid.casefold() for lease in ledger.leases for r in lease.migs if r.created and r.uuid}
     made |= {r.uuid.casefold() for r in ledger.recycle if r.uuid}
     mig: dict[tuple[int, str, bool], int] = {}

@@ -104,11 +104,13 @@ def test_one_daemon_per_gpu_with_the_policys_limits_for_both_clients_and_quit_af
     [gpu0] = [g for g in site.status()["gpus"] if g["index"] == 0]
     assert gpu0["mps"] == {"pid": pid, "thread_percentage": 50.0, "memory_limit_mib": half,
                            "pipe_directory": daemon["pipe_dir"], "clients": [a.id, b.id]}
+    assert 'gpuhook_mps_daemon_up{gpu="0"} 1.0' in site.gpuhook("status", "--prometheus").stdout
     site.delete(a.id)
     assert _alive(pid) and [d["pid"] for d in daemons(site)] == [pid]
     site.delete(b.id)
     assert not _alive(pid), "the daemon outlived its last client"
     assert "Cmd:quit" in control_log(daemon) and daemons(site) == []
+    assert 'gpuhook_mps_daemon_up{gpu="0"} 0.0' in site.gpuhook("status", "--prometheus").stdout
 
 
 def test_a_killed_daemon_is_brought_up_again_by_the_next_start(site: Site) -> None:

@@ -63,15 +63,15 @@ def ledger() -> Ledger:
 
 
 def test_attribution_names_each_lease_its_gpu_and_memory_by_cgroup() -> None:
-    policies = {0: GpuPolicy(sharing=Sharing.EXCLUSIVE), 1: GpuPolicy(), 2: GpuPolicy()}
+    policies = {0: GpuPolicy(sharing=Sharing.EXCLUSIVE), 1: GpuPolicy(), 2: GpuPolicy(sharing=Sharing.MPS, replicas=2)}
     processes = (GpuProcess(gpu=0, pid=11, used_bytes=5, cgroup="/docker/a-id/worker"),
                  GpuProcess(gpu=0, pid=12, used_bytes=7, cgroup="/docker/a-id"),
                  GpuProcess(gpu=1, pid=21, used_bytes=3, cgroup="/docker/b-id"),
                  GpuProcess(gpu=2, pid=99, used_bytes=1, cgroup="/docker/a-idle"))  # a prefix, not a child
     view = usage_view(inventory(), policies, ledger(), mps_up={}, processes=processes,
                       holder_cgroups={"a": "/docker/a-id", "b": "/docker/b-id"})
-    assert [(g.index, g.sharing, g.holders) for g in view.gpus] == [(0, "exclusive", ("a",)), (1, "unlimited", ("b",)),
-                                                                     (2, "unlimited", ())]
+    assert [(g.index, g.sharing, g.holders, g.mps_up) for g in view.gpus] == [
+        (0, "exclusive", ("a",), None), (1, "unlimited", ("b",), None), (2, "mps", (), False)]
     assert [(d.container_id, d.gpu, d.mig_uuid) for d in view.leases] == [("a", 0, ""), ("b", 1, MIG)]
     assert view.mig_instances == {(1, "3g.20gb", True): 1}
     assert view.memory == {("a", 0): 12, ("b", 1): 3}
