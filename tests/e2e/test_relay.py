@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ def test_relay_under_nvidias_name(make_container: MakeContainer, host: FakeHost,
 def test_no_gpu_containers_cost_the_daemon_no_fork(make_container: MakeContainer, host: FakeHost,
                                                    daemon: Gpuhookd, relay: Path) -> None:
     """A container that asks for no GPU is answered by a waiting worker, which keeps waiting: the
-    daemon's processes are the same before and after three such starts, and nothing is logged."""
+    daemon's processes are the same before and after three such starts, and each is logged once, after its
+    answer (the metrics count them), and nothing else."""
     hook = relay_entry(relay, host.config_path, "--daemon-socket", daemon.socket, "prestart")
     containers = [make_container("echo ran", NO_GPU, hook=hook) for _ in range(3)]
     before, offset = sorted(daemon.processes()), log_size(host)
@@ -56,7 +58,11 @@ def test_no_gpu_containers_cost_the_daemon_no_fork(make_container: MakeContainer
         result = container.run()
         assert (result.returncode, result.stdout.strip()) == (0, "ran"), result.stderr
     assert sorted(daemon.processes()) == before
-    assert events_after(host.root / "gpuhook.log", offset) == []
+    deadline = time.monotonic() + 30  # each is written just after its answer went out
+    while len(logged := events_after(host.root / "gpuhook.log", offset)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(e["event"], e["served_by"]) for e in logged] == [("no_gpu_requested", "gpuhookd")] * 3, logged
+    assert len({e["container_id"] for e in logged}) == 3
 
 
 def test_without_a_daemon_the_relay_runs_the_python_hook(make_container: MakeContainer, host: FakeHost,
