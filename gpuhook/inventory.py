@@ -158,6 +158,10 @@ class Inventory:
     #: (the driver lists every capability it can grant, existing or not: it changes only with the driver)
     mig_minors: tuple[tuple[str, int], ...] = ()
 
+    def nvml_library(self) -> Path | None:
+        """The driver's libnvidia-ml, by the absolute path discovery found it at (MIG and the metrics use NVML)."""
+        return next((f.host_path for f in self.libraries if f.name.startswith("libnvidia-ml.so.")), None)
+
     def gpu_node(self, minor: int) -> HostDevice | None:
         """The host's /dev/nvidia<minor>, if it exists."""
         return next((n for n in self.gpu_nodes if n.minor == minor), None)

@@ -266,7 +266,7 @@ def status(config: Config) -> HostStatus:
     found = host_inventory(config)
     policies = config.gpus.resolve(found.inventory.gpus)
     return HostStatus(inventory=found.inventory, policies=policies, ledger=ledger,
-                      memory=usage_view(config).memory if ledger.leases else {})
+                      memory=usage_view(config, found.inventory, ledger).memory if ledger.leases else {})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -458,7 +458,7 @@ def _recorded(config: Config) -> tuple[MigRecord, ...]:
 
 def _nvml_library(inventory: Inventory) -> Path:
     """The driver's NVML, by the absolute path discovery found it at."""
-    found = next((f.host_path for f in inventory.libraries if f.name.startswith("libnvidia-ml.so.")), None)
+    found = inventory.nvml_library()
     if found is None:
         raise DiscoveryError("the driver's libnvidia-ml.so is not in the inventory; MIG instances are made through "
                              "it. Fix: `gpuhook info --refresh`, and check the driver install")
@@ -611,18 +611,19 @@ def render_cdi(config: Config, hook_argv: list[str] | None) -> Rendered:
     return render_spec(found.inventory, found.live, target, hook_argv)
 
 
-def usage_view(config: Config) -> UsageView:
-    """Who uses which GPU now (the metrics endpoint, ``status --prometheus``): read-only, reclaims nothing."""
+def usage_view(config: Config, inventory: Inventory | None = None, ledger: Ledger | None = None) -> UsageView:
+    """Who uses which GPU now (the metrics endpoint, ``status --prometheus``): read-only, reclaims nothing;
+    *inventory* and *ledger*: as the caller has just read them (else read here)."""
     from gpuhook.discovery.usage import cgroup_of, gpu_processes
     from gpuhook.sharing.attribution import usage_view as view
-    from gpuhook.sys.procstat import start_ticks
 
-    inventory = host_inventory(config).inventory
-    try:
-        ledger = ledger_store.read(config.state_dir) if config.state_dir is not None else Ledger()
-    except StateError:
-        ledger = Ledger()
-    mps_up = {d.gpu: d.holder is not None and start_ticks(d.holder.pid) == d.holder.start for d in ledger.daemons}
+    inventory = inventory or host_inventory(config).inventory
+    if ledger is None:
+        try:
+            ledger = ledger_store.read(config.state_dir) if config.state_dir is not None else Ledger()
+        except StateError:
+            ledger = Ledger()
+    mps_up = {d.gpu: d.holder is not None and leases.alive(d.holder) for d in ledger.daemons}
     cgroups = {lease.container_id: path for lease in ledger.leases if (path := cgroup_of(lease.holder.pid))}
     return view(inventory, config.gpus.resolve(inventory.gpus), ledger, mps_up=mps_up,
                 processes=gpu_processes(inventory) if ledger.leases else (), holder_cgroups=cgroups)

@@ -141,7 +141,7 @@ class Collector(_Base):
 
     def collect(self) -> Iterator[Any]:
         """The families, from the log's new lines, the ledger and the inventory as they are now."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
         counters = self.counters
         counters.update()
@@ -162,11 +162,13 @@ class Collector(_Base):
         for result, value in sorted(counters.cache.items()):
             cache.add_metric((result,), value)
         yield cache
-        yield from host_families(self.config, GaugeMetricFamily)
+        yield from host_families(self.config)
 
 
-def host_families(config: Config, gauge: Any) -> Iterator[Any]:
+def host_families(config: Config) -> Iterator[Any]:
     """The gauges of the GPUs, their holders, MIG instances, MPS daemons and memory per container."""
+    from prometheus_client.core import GaugeMetricFamily as gauge  # noqa: N813  (read as the constructor it is)
+
     view = service.usage_view(config)
     info = gauge("gpuhook_gpu_info", "A GPU of this host and its sharing policy",
                  labels=("gpu", "uuid", "model", "sharing"))

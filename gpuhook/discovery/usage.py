@@ -14,7 +14,7 @@ def gpu_processes(inventory: Inventory) -> tuple[GpuProcess, ...]:
     """Every process NVML lists on the inventory's GPUs, with its cgroup (none when NVML cannot say)."""
     from gpuhook.nvml.facts import running_processes
 
-    library = next((f.host_path for f in inventory.libraries if f.name.startswith("libnvidia-ml.so.")), None)
+    library = inventory.nvml_library()
     if library is None:
         return ()
     try:

@@ -146,14 +146,14 @@ def _mig(parent_index: int, handle: Any, model: str, known: dict[tuple[str, bool
         raise DiscoveryError(f"NVML nvmlDeviceGetMigMode failed for GPU {parent_index}: {err}") from err
     enabled = current == pynvml.NVML_DEVICE_MIG_ENABLE
     if (model, enabled) not in known:
-        known[model, enabled] = _gi_profiles(parent_index, handle)
+        known[model, enabled] = gi_profiles(parent_index, handle)
     profiles = known[model, enabled]
     if not enabled:
         return _Mig(profiles=profiles)
     return _Mig(enabled=True, profiles=profiles, devices=_mig_devices(parent_index, handle, profiles))
 
 
-def _gi_profiles(parent_index: int, handle: Any) -> tuple[MigProfile, ...]:
+def gi_profiles(parent_index: int, handle: Any) -> tuple[MigProfile, ...]:
     """The GPU-instance profiles of a MIG-capable GPU, in NVML's profile-index order (as nvidia-smi mig -lgip).
 
     NVML answers with MIG mode off too (go-nvlib's VisitMigProfiles asks any
@@ -181,7 +181,7 @@ def _gi_profiles(parent_index: int, handle: Any) -> tuple[MigProfile, ...]:
 def _mig_devices(parent_index: int, handle: Any, profiles: tuple[MigProfile, ...]) -> tuple[MigDevice, ...]:
     """The MIG devices of a GPU in MIG mode, in NVML's enumeration order."""
     by_id = {p.profile_id: p.name for p in profiles}
-    gi_profiles: dict[int, str] = {}  # GI id -> profile name: the compute instances of one GI ask once
+    profile_of: dict[int, str] = {}  # GI id -> profile name: the compute instances of one GI ask once
     found: list[MigDevice] = []
     for slot in range(_call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
         try:
@@ -194,11 +194,11 @@ def _mig_devices(parent_index: int, handle: Any, profiles: tuple[MigProfile, ...
             ) from err
         gi = _call(pynvml.nvmlDeviceGetGpuInstanceId, mig)
         name = _text(_call(pynvml.nvmlDeviceGetName, mig))
-        if gi not in gi_profiles:
-            gi_profiles[gi] = _gi_profile_name(handle, gi, by_id) or _profile_from_name(name)
+        if gi not in profile_of:
+            profile_of[gi] = _gi_profile_name(handle, gi, by_id) or _profile_from_name(name)
         found.append(MigDevice(
             parent_index=parent_index, index=len(found), uuid=_text(_call(pynvml.nvmlDeviceGetUUID, mig)),
-            gi=gi, ci=_call(pynvml.nvmlDeviceGetComputeInstanceId, mig), name=name, profile=gi_profiles[gi],
+            gi=gi, ci=_call(pynvml.nvmlDeviceGetComputeInstanceId, mig), name=name, profile=profile_of[gi],
         ))
     return tuple(found)
 

@@ -17,6 +17,7 @@ from typing import Any
 import pynvml
 
 from gpuhook.errors import ProvisionError
+from gpuhook.inventory import MigProfile
 from gpuhook.nvml.session import ABSENT, text
 
 #: The compute-instance profile that spans a GI of N compute slices.
@@ -31,15 +32,6 @@ _MAX_CI = 8
 _MAX_GI = 15
 #: Answers that mean "there is no such thing here" rather than a failure.
 _NONE_HERE = (*ABSENT, pynvml.NVMLError_NotFound, pynvml.NVMLError_InvalidArgument)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Profile:
-    """A GI profile of one GPU: its name, id and compute slices."""
-
-    name: str
-    profile_id: int
-    slices: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,14 +69,6 @@ def mig_enabled(handle: Any) -> bool:
     return bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
 
 
-def profiles(handle: Any) -> tuple[Profile, ...]:
-    """The GPU's GI profiles."""
-    infos = (_maybe(pynvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, index)
-             for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT))
-    return tuple(Profile(name=text(info.name).removeprefix("MIG "), profile_id=info.id, slices=info.sliceCount)
-                 for info in infos if info is not None)
-
-
 def placements(handle: Any, profile_id: int) -> tuple[tuple[int, int], ...]:
     """Every legal placement (start, size in memory slices) of a profile, free or not (NVML lists them all)."""
     count = ctypes.c_uint(0)
@@ -118,7 +102,7 @@ class NoRoom(Exception):  # noqa: N818  (a signal between two functions here, ne
     """NVML refused the placement for lack of free slices (another placement may still fit)."""
 
 
-def make(handle: Any, profile: Profile, start: int, size: int) -> Made:
+def make(handle: Any, profile: MigProfile, start: int, size: int) -> Made:
     """A GI of *profile* at (*start*, *size*) and one CI spanning it; raises NoRoom or ProvisionError.
 
     A CI that cannot be made takes its GI down with it: nothing half-made is left.

@@ -36,7 +36,7 @@ def select_devices(request: GpuRequest, inventory: Inventory) -> Selection:
     for device in request.devices:
         match device:
             case GpuIndex() | GpuUuid():
-                gpu = _find_gpu(device, inventory.gpus)
+                gpu = find_gpu(device, inventory.gpus)
                 if gpu is None:
                     raise UnknownDeviceError(_unknown_message(request, device, inventory))
                 gpus.setdefault(gpu.uuid, gpu)
@@ -48,7 +48,7 @@ def select_devices(request: GpuRequest, inventory: Inventory) -> Selection:
     return Selection(gpus=tuple(gpus.values()), migs=tuple(migs.values()))
 
 
-def _find_gpu(device: GpuIndex | GpuUuid, gpus: tuple[Gpu, ...]) -> Gpu | None:
+def find_gpu(device: GpuIndex | GpuUuid, gpus: tuple[Gpu, ...]) -> Gpu | None:
     """The GPU an index or UUID names, or None."""
     if isinstance(device, GpuIndex):
         return next((g for g in gpus if g.index == device.index), None)

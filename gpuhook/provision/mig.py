@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from gpuhook.errors import DiscoveryError, GpuHookError, PolicyError, ProvisionError
-from gpuhook.inventory import Gpu
+from gpuhook.inventory import Gpu, MigProfile
 from gpuhook.nvml import mig as nvml_mig
+from gpuhook.nvml.facts import gi_profiles
 from gpuhook.nvml.session import session
 from gpuhook.provision import ledger_store
 from gpuhook.request.model import GpuRequest
@@ -53,7 +54,7 @@ def make(state_dir: Path, library: Path, request: GpuRequest, pick: MigPick, *, 
             if not nvml_mig.mig_enabled(handle):
                 refused.append(not_in_mig_mode(gpu))
                 continue
-            profiles = nvml_mig.profiles(handle)
+            profiles = gi_profiles(gpu.index, handle)
             profile = next((p for p in profiles if p.name == pick.ask.profile), None)
             if profile is None:
                 refused.append(unknown_profile(pick.ask.profile, (gpu,)))
@@ -72,8 +73,8 @@ def make(state_dir: Path, library: Path, request: GpuRequest, pick: MigPick, *, 
     raise no_room(request, pick.ask, tried, ledger_store.read(state_dir), now)
 
 
-def _make_on(state_dir: Path, handle: Any, gpu: Gpu, profile: nvml_mig.Profile, pick: MigPick, *, container_id: str,
-             holder: Holder, profiles: tuple[nvml_mig.Profile, ...], now: datetime, request: GpuRequest
+def _make_on(state_dir: Path, handle: Any, gpu: Gpu, profile: MigProfile, pick: MigPick, *, container_id: str,
+             holder: Holder, profiles: tuple[MigProfile, ...], now: datetime, request: GpuRequest
              ) -> Made | None:
     """The instance made on *gpu* at its first free placement NVML accepts; None when none is free."""
     occupied = [(g.start, g.size) for g in nvml_mig.gpu_instances(handle, (p.profile_id for p in profiles))]

@@ -28,6 +28,7 @@ from gpuhook import catalog
 from gpuhook.errors import ProvisionError
 from gpuhook.inventory import Gpu
 from gpuhook.provision import ledger_store
+from gpuhook.provision.leases import alive
 from gpuhook.sharing.ledger import Holder, MpsDaemon
 from gpuhook.sys.procstat import start_ticks
 
@@ -48,7 +49,7 @@ def ensure(state_dir: Path, control: Path, gpu: Gpu, limits: Limits) -> MpsDaemo
     """*gpu*'s MPS daemon, running with *limits* (started now if it is not); raises ProvisionError."""
     with ledger_store.gpu_lock(state_dir, gpu.uuid, "mps"):
         recorded = ledger_store.read(state_dir).daemon_for(gpu.uuid)
-        if (recorded is not None and recorded.holder is not None and _alive(recorded.holder)
+        if (recorded is not None and recorded.holder is not None and alive(recorded.holder)
                 and (recorded.thread_percentage, recorded.memory_limit_mib)
                 == (limits.thread_percentage, limits.memory_limit_mib)):
             return recorded
@@ -159,12 +160,8 @@ def _daemon_pid(control: Path, daemon: MpsDaemon) -> int:
                          f"(no live {pid_file}); see {daemon.log_dir}/control.log")
 
 
-def _alive(holder: Holder) -> bool:
-    return start_ticks(holder.pid) == holder.start
-
-
 def _stop(control: Path, daemon: MpsDaemon) -> None:
-    """``quit``, then SIGKILL if the daemon will not go; its pipe directory is emptied."""
+    """``quit``, then SIGKILL if the daemon will not go; its pipes and shared memory are removed."""
     with contextlib.suppress(ProvisionError):  # none there (killed, or never started): nothing to tell
         _run(control, [], daemon, stdin="quit\n", what="stop")
     holder = daemon.holder
@@ -176,8 +173,9 @@ def _stop(control: Path, daemon: MpsDaemon) -> None:
         if pidfd is not None:
             try:
                 # the pidfd pins the process: if it is still the daemon now, the signal can reach no other
-                if _alive(holder) and not select.select([pidfd], [], [], DAEMON_TIMEOUT_S)[0] and _alive(holder):
+                if alive(holder) and not select.select([pidfd], [], [], DAEMON_TIMEOUT_S)[0] and alive(holder):
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             finally:
                 os.close(pidfd)
-    shutil.rmtree(daemon.pipe_dir, ignore_errors=True)
+    for left in (daemon.pipe_dir, daemon.shm_dir):  # its log stays, for whoever asks why it stopped
+        shutil.rmtree(left, ignore_errors=True)

@@ -16,6 +16,7 @@ from datetime import datetime
 
 from gpuhook.errors import BusyError, PolicyError
 from gpuhook.inventory import Gpu, Inventory, MigDevice, MigProfile
+from gpuhook.planning.select import find_gpu
 from gpuhook.request.model import DeviceId, GpuIndex, GpuRequest, GpuUuid, MigAsk
 from gpuhook.sharing.ledger import Ledger, MigRecord
 from gpuhook.sharing.policy import GpuPolicy
@@ -164,7 +165,7 @@ def mode_may_be_stale(request: GpuRequest, inventory: Inventory) -> bool:
     """Whether an ask would be refused for MIG mode off by *inventory* (cached: MIG mode may have been enabled
     since, which changes nothing else the cache sees), so that it is asked of NVML again first."""
     for ask in request.mig_asks:
-        gpu = gpu_named(ask.gpu, inventory.gpus) if ask.gpu is not None else None
+        gpu = find_gpu(ask.gpu, inventory.gpus) if ask.gpu is not None else None
         if (gpu is not None and not gpu.mig_enabled) or (ask.gpu is None and not any(
                 g.mig_enabled for g in inventory.gpus)):
             return True
@@ -177,7 +178,7 @@ def with_policy_instances(request: GpuRequest, inventory: Inventory, policies: M
     kept: list[DeviceId] = []
     asks = list(request.mig_asks)
     for device in request.devices:
-        gpu = gpu_named(device, inventory.gpus)
+        gpu = find_gpu(device, inventory.gpus) if isinstance(device, GpuIndex | GpuUuid) else None
         mode = policies[gpu.index].mig if gpu is not None else None
         if gpu is not None and mode is not None and mode.enable and mode.instance:
             asks.append(MigAsk(profile=mode.instance, gpu=GpuIndex(gpu.index)))
@@ -186,16 +187,6 @@ def with_policy_instances(request: GpuRequest, inventory: Inventory, policies: M
     if len(asks) == len(request.mig_asks):
         return request
     return replace(request, devices=tuple(kept), mig_asks=tuple(asks))
-
-
-def gpu_named(device: DeviceId, gpus: Sequence[Gpu]) -> Gpu | None:
-    """The GPU a GPU index or UUID token names (None: another token, or no such GPU)."""
-    match device:
-        case GpuIndex(index):
-            return next((g for g in gpus if g.index == index), None)
-        case GpuUuid(uuid):
-            return next((g for g in gpus if g.uuid.casefold() == uuid.casefold()), None)
-    return None
 
 
 def with_recorded(inventory: Inventory, records: Sequence[MigRecord]) -> Inventory:

@@ -22,6 +22,7 @@ _PRELUDE = '''
 import json, sys
 from pathlib import Path
 from gpuhook.nvml import mig as nvml_mig
+from gpuhook.nvml.facts import gi_profiles
 from gpuhook.nvml.session import session
 from gpuhook.provision import ledger_store
 from gpuhook.provision.mig import recycle
@@ -33,14 +34,14 @@ out = {}
 def make(name, start):
     with session(library):
         handle = nvml_mig.gpu(gpu)
-        profile = next(p for p in nvml_mig.profiles(handle) if p.name == name)
+        profile = next(p for p in gi_profiles(0, handle) if p.name == name)
         size = nvml_mig.placements(handle, profile.profile_id)[0][1]
         return profile, nvml_mig.make(handle, profile, start, size)
 
 def layout():
     with session(library):
         handle = nvml_mig.gpu(gpu)
-        ids = [p.profile_id for p in nvml_mig.profiles(handle)]
+        ids = [p.profile_id for p in gi_profiles(0, handle)]
         return sorted([g.gi, g.start] for g in nvml_mig.gpu_instances(handle, ids))
 
 def write(ledger):
