@@ -71,6 +71,9 @@ class Config:
     accept_cdi_annotations: bool = False
     #: leave the device cgroup alone (rootless, or when the runtime already allows the devices)
     no_cgroups: bool = False
+    #: NVIDIA's load-kmods: before a GPU start, create missing NVIDIA device nodes (typically
+    #: /dev/nvidia-uvm after a boot) with the host's nvidia-modprobe from the driver root
+    load_kmods: bool = True
     #: a selected GPU with a critical Xid or pending memory repairs: refuse, warn or ignore
     unhealthy_gpus: HealthPolicy = HealthPolicy.REFUSE
     #: use the image's /usr/local/cuda/compat libraries when they are newer than the host driver
@@ -102,6 +105,7 @@ _OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir", "state_dir", "device_poli
                                "hpc_job_mapping_dir")
 _BOOL_KEYS: Final = (
     "accept_envvar_when_unprivileged", "accept_volume_mounts", "accept_cdi_annotations", "no_cgroups", "cuda_compat",
+    "load_kmods",
 )
 #: settings that take one of an enum's values (the YAML holds the value, Config the member)
 _ENUM_KEYS: Final[dict[str, type[enum.StrEnum]]] = {"log_level": LogLevel, "unhealthy_gpus": HealthPolicy}
