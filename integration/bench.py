@@ -58,7 +58,7 @@ from typing import Any, Final
 from integration.engines import default_spec, require_tool, run_container, unique_id, write_bundle
 from integration.fakehost import FakeHost, create_host
 from integration.gpuhookd import Gpuhookd
-from integration.relay import install_relay
+from integration.relay import install_relay, runtime_for
 from integration.rootfs import build_rootfs, copy_rootfs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +106,8 @@ class Scenario:
     cached: bool = False
     #: the hook is registered for poststop too (as the packages do), its argv's stage word replaced
     poststop: bool = False
+    #: the runc wrapper that runs the container (gpuhook-runtime, as docker --runtime nvidia runs it), or runc
+    wrapper: Path | None = None
 
 
 @dataclass(slots=True)
@@ -233,6 +235,8 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
     no_cache = write_config(configs / "host8-nocache.yaml", hosts[8], cache=False)
     no_leases = write_config(configs / "host8-noleases.yaml", hosts[8], cache=True, leases=False)
     with_metrics = write_config(configs / "host8-metrics.yaml", hosts[8], cache=True, metrics=METRICS_ADDRESS)
+    # gpuhook-runtime finds its config as under dockerd: in its environment, which it inherits from here.
+    os.environ["GPUHOOK_CONFIG"] = str(cfg[8])
 
     def hook(config: Path) -> tuple[str, ...]:
         return (str(relay), "--config", str(config), "--daemon-socket", daemon_for(config), "prestart")
@@ -266,6 +270,10 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
                  "start, destroyed at poststop (A100-40GB)", a100, ("NVIDIA_VISIBLE_DEVICES=0,mig=1g.5gb",
                                                                     f"NVIDIA_DRIVER_CAPABILITIES={COMPUTE}"),
                  hook(mig_cfg), poststop=True),
+        Scenario("runtime-no-gpu", "gpuhook-runtime as the runtime (docker --runtime nvidia), container asks for "
+                 "no GPU", hosts[8], wrapper=runtime_for(relay)),
+        Scenario("runtime-gpu8", "gpuhook-runtime as the runtime, 8 GPUs compute,utility (its Python spec edit, "
+                 "then its Python hooks, no gpuhookd)", hosts[8], gpus(COMPUTE), wrapper=runtime_for(relay)),
         Scenario("static8", "static floor: 8 GPUs' devices + mounts in config.json, no hook", hosts[8],
                  static=static_floor(python, cfg[8], gpus(COMPUTE), rootfs_src, work)),
         Scenario("python-floor", "reference: hook = `python -I -c pass` (interpreter floor)",
@@ -294,7 +302,7 @@ def run_once(scenario: Scenario, spec: dict[str, Any], rootfs_src: Path, bundle:
     calls_before = len(host.nvml_calls()) if host else 0
     log_before = log.stat().st_size if log and log.exists() else 0
     try:
-        result = run_container("runc", bundle, unique_id("bench"))
+        result = run_container("runc", bundle, unique_id("bench"), wrapper=scenario.wrapper)
     finally:
         shutil.rmtree(bundle, ignore_errors=True)
     if result.returncode != 0:
@@ -406,6 +414,8 @@ def check_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     cached_calls = max(results[n]["nvml_calls_per_start"] for n in ("gpu1", "gpu8", "gpu64", "gpu8-all"))
     rows = [
         ("hook on a no-GPU container ≤ 1.5 × bare runc", results["no-gpu"]["ratio_vs_bare"], 1.5),
+        ("gpuhook-runtime, container asks for no GPU ≤ 1.2 × bare runc", results["runtime-no-gpu"]["ratio_vs_bare"],
+         1.2),
         ("8 GPUs compute,utility, valid cache ≤ 2.5 × bare runc", results["gpu8"]["ratio_vs_bare"], 2.5),
         ("64 GPUs ≤ 1.3 × the 8-GPU figure",
          round(results["gpu64"]["median_ms"] / results["gpu8"]["median_ms"], 3), 1.3),

@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -36,11 +37,15 @@ __all__ = [
     "DEFAULT_PATH",
     "Engine",
     "MissingTool",
+    "MountRow",
     "RunResult",
     "default_spec",
+    "fs_relative",
+    "gpuhook_could_have_made",
     "host_mounts",
     "install_hint",
     "leftover_cgroups",
+    "read_mounts",
     "require_tool",
     "run_container",
     "tree_snapshot",
@@ -214,9 +219,16 @@ def write_bundle(dir: Path, spec: dict[str, Any]) -> Path:
 # --- running ----------------------------------------------------------------------------------
 
 
-def run_container(engine: Engine, bundle: Path, container_id: str, *, timeout: float = 30) -> RunResult:
-    """Run the bundle in the foreground with ``engine``, then make sure nothing of it is left."""
-    argv = _engine_argv(engine, "run", "--bundle", str(bundle), container_id)
+def run_container(engine: Engine, bundle: Path, container_id: str, *, timeout: float = 30,
+                  wrapper: Path | None = None) -> RunResult:
+    """Run the bundle in the foreground with ``engine``, then make sure nothing of it is left.
+
+    *wrapper*: a runc wrapper (gpuhook-runtime) runs the container instead of runc itself (engine "runc" only).
+    """
+    if wrapper is not None and engine != "runc":
+        raise ValueError(f"a runc wrapper runs with engine runc, not {engine!r}")
+    argv = ([str(wrapper), "run", "--bundle", str(bundle), container_id] if wrapper is not None
+            else _engine_argv(engine, "run", "--bundle", str(bundle), container_id))
     start = time.monotonic()
     # A new session lets a timeout kill the engine and anything it forked (wrapper, hooks).
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -308,32 +320,112 @@ def _kill_tasks(cgroup: Path) -> None:
 
 # --- host observation -------------------------------------------------------------------------
 
+#: The superblock option every tmpfs gpuhook makes carries (fsmount with mode 0555: the
+#: /proc/driver/nvidia mask, ldconfig's hidden dirs and covered files), and their sizes.
+_GPUHOOK_TMPFS_MODE: Final = "mode=555"
+_GPUHOOK_TMPFS_SIZES: Final = frozenset({"size=1024k", "size=4k"})
 
-def host_mounts(*owned: Path) -> frozenset[str]:
-    """The host mount table as ``"<mount point> <fstype> <source> <root>"`` lines (ids ignored).
 
-    With *owned* paths (the simulated host's root, the test's own directories): only the mounts
-    gpuhook could have made, so that what other processes on a busy host mount meanwhile (an
-    engine's overlays and netns files, another test run) does not count. That is a tmpfs with no
-    source (gpuhook's fsmount'd ones show ``none``), and any mount whose point or root lies under
-    an owned path: every bind mount gpuhook makes has a driver file (under the host's root) or a
-    container path (under the test's directories) as its root, wherever it was mounted.
-    """
-    entries: list[str] = []
-    prefixes = tuple(os.fspath(p).rstrip("/") + "/" for p in owned)
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+@dataclass(frozen=True, slots=True)
+class MountRow:
+    """One line of a mountinfo file, the fields the mount oracle reads (escapes undone)."""
+
+    #: "major:minor" of the mounted filesystem
+    device: str
+    #: the directory of that filesystem the mount shows (a bind mount's source, relative to it)
+    root: str
+    point: str
+    fstype: str
+    source: str
+    #: the superblock's options (``size=4k``, ``mode=555`` ...)
+    options: frozenset[str]
+
+    @property
+    def line(self) -> str:
+        """The row as the oracle compares it: ``"<mount point> <fstype> <source> <root>"`` (ids ignored)."""
+        return f"{self.point} {self.fstype} {self.source} {self.root}"
+
+
+def _unescape(field: str) -> str:
+    """Undo mountinfo's octal escapes (``\\040`` for a space, ``\\134`` for a backslash ...)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def read_mounts(pid: int | str = "self") -> list[MountRow]:
+    """The mount table of *pid*'s mount namespace (``/proc/<pid>/mountinfo``), in mount order."""
+    rows = []
+    with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             pre, _, post = line.partition(" - ")
             fields, tail = pre.split(), post.split()
-            point, fstype, source, root = fields[4], tail[0], tail[1], fields[3]
-            if owned and not ((fstype == "tmpfs" and source == "none")
-                              or any(f"{path}/".startswith(prefixes) for path in (point, root))):
-                continue
-            entries.append(f"{point} {fstype} {source} {root}")
+            rows.append(MountRow(device=fields[2], root=_unescape(fields[3]), point=_unescape(fields[4]),
+                                 fstype=tail[0], source=_unescape(tail[1]),
+                                 options=frozenset(tail[2].split(",")) if len(tail) > 2 else frozenset()))
+    return rows
+
+
+def _under(path: str, prefix: str) -> bool:
+    """Whether *path* is *prefix* or lies below it."""
+    return path == prefix or path.startswith(prefix.rstrip("/") + "/")
+
+
+def fs_relative(path: Path, mounts: list[MountRow] | None = None) -> tuple[str, str]:
+    """(filesystem "major:minor", *path* as a bind mount of it shows it in mountinfo's ``root`` field).
+
+    That is the path relative to the root of the filesystem it lies on, through the topmost mount
+    that holds it: ``/tmp/x`` on an ext4 root is ``/tmp/x``, on a tmpfs at ``/tmp`` it is ``/x``.
+    """
+    text = os.fspath(path)
+    best: MountRow | None = None
+    for row in read_mounts() if mounts is None else mounts:
+        if _under(text, row.point) and (best is None or len(row.point) >= len(best.point)):
+            best = row  # the longest point wins; among equal ones the last (topmost) one
+    if best is None:
+        raise ValueError(f"{text!r} is under no mount of this namespace; expected an absolute path")
+    rest = text[len(best.point.rstrip("/")):]
+    return best.device, (best.root.rstrip("/") + rest) or "/"
+
+
+def gpuhook_could_have_made(row: MountRow, points: tuple[str, ...], roots: tuple[tuple[str, str], ...]) -> bool:
+    """Whether *row* is a mount gpuhook could have made, given the test's owned *points* (absolute
+    paths) and *roots* (the same paths as (device, fs-relative path), see fs_relative).
+
+    gpuhook makes two kinds of mounts: bind mounts of host files (driver libraries, binaries,
+    nodes, /proc/driver/nvidia entries, all under the simulated host's root, which the test owns),
+    and tmpfs it makes with fsmount (source ``none``, ``mode=555``, 1m or 4k). Wherever it could
+    have put one (in a container's rootfs under the test's paths, or anywhere through an escape),
+    the bind's root lies under an owned path and the tmpfs has that shape; any other mount (an
+    engine's overlay or shm, a netns file, another test run's own mounts) is not gpuhook's.
+    """
+    if any(_under(row.point, prefix) for prefix in points):
+        return True
+    if row.fstype == "tmpfs" and row.source == "none" and _GPUHOOK_TMPFS_MODE in row.options \
+            and row.options & _GPUHOOK_TMPFS_SIZES:
+        return True
+    return any(row.device == device and _under(row.root, root) for device, root in roots)
+
+
+def host_mounts(*owned: Path, pid: int | str = "self") -> frozenset[str]:
+    """The mount oracle: the mounts of the host (*pid*'s mount namespace) that gpuhook could have made,
+    as ``"<mount point> <fstype> <source> <root>"`` lines, to compare before and after a run.
+
+    *owned* are the paths the test owns (its tmp dir, the simulated host's root, its rootfses): every
+    mount at or under them counts, and elsewhere only a mount gpuhook could have made
+    (gpuhook_could_have_made), so that what other processes on a busy host mount meanwhile (an
+    engine's overlays and netns files, another ``make test`` beside this one) does not fail a test,
+    while a mount gpuhook leaked does.
+    """
+    if not owned:
+        raise ValueError("host_mounts() needs the paths the test owns (its tmp dir, the host's root); "
+                         "comparing the whole mount table fails whenever another process mounts something")
+    mounts = read_mounts(pid)
+    real = tuple(os.path.realpath(p) for p in owned)
+    roots = tuple(fs_relative(Path(p), mounts) for p in real)
+    kept = [row.line for row in mounts if gpuhook_could_have_made(row, real, roots)]
     # Number repeats so that a second identical mount stacked on the first still shows up.
     seen: dict[str, int] = {}
     out: set[str] = set()
-    for entry in entries:
+    for entry in kept:
         seen[entry] = seen.get(entry, 0) + 1
         out.add(entry if seen[entry] == 1 else f"{entry} #{seen[entry]}")
     return frozenset(out)

@@ -2,7 +2,9 @@
 
 ``install_relay(bin_dir, python)`` builds relay/gpuhook-relay.c with relay/build.sh and installs
 it as ``bin/gpuhook-relay`` and ``libexec/nvidia-container-runtime-hook``, with the launchers
-they run when gpuhookd does not serve a call (``#!python -I``, no runpy, like the package's).
+they run when gpuhookd does not serve a call (``#!python -I``, no runpy, like the package's),
+and relay/gpuhook-runtime.c as ``libexec/gpuhook-runtime``, the runc wrapper's front-end, with
+the Python wrapper it runs for a GPU container's create, ``bin/gpuhook-runtime``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Final
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "relay" / "build.sh"
@@ -22,6 +25,8 @@ class RelayBuildError(RuntimeError):
 #: The Python commands a relay can stand for: (its file, relative to the prefix; the launcher's entry point).
 COMMANDS = {"gpuhook": ("bin/gpuhook-relay", "gpuhook"),
             "nvidia-container-runtime-hook": ("libexec/nvidia-container-runtime-hook", "nvidia_hook")}
+#: The runc wrapper's front-end (the packages' /usr/bin/gpuhook-runtime and nvidia-container-runtime).
+RUNTIME: Final = "libexec/gpuhook-runtime"
 
 
 def launcher_text(python: Path | str, entry: str = "gpuhook") -> str:
@@ -34,22 +39,36 @@ def install_relay(bin_dir: Path, python: Path | str) -> Path:
 
     ``bin/gpuhook-relay`` and ``libexec/nvidia-container-runtime-hook`` (the same program: its file
     name says which command it stands for), and the launchers they fall back to,
-    ``bin/gpuhook`` and ``bin/nvidia-container-runtime-hook``.
+    ``bin/gpuhook`` and ``bin/nvidia-container-runtime-hook``; ``libexec/gpuhook-runtime`` and the
+    Python wrapper it runs, ``bin/gpuhook-runtime``.
     """
     prefix = bin_dir.parent
     relay = bin_dir / "gpuhook-relay"
     bin_dir.mkdir(parents=True, exist_ok=True)
-    built = subprocess.run([str(BUILD), str(relay)], capture_output=True, text=True, check=False)
-    if built.returncode != 0:
-        raise RelayBuildError(f"{BUILD} {relay} failed ({built.returncode}):\n{built.stdout}{built.stderr}")
-    for name, (program, entry) in COMMANDS.items():
+    _build(relay, "gpuhook-relay")
+    (prefix / RUNTIME).parent.mkdir(parents=True, exist_ok=True)
+    _build(prefix / RUNTIME, "gpuhook-runtime")
+    for program, _ in COMMANDS.values():
         if prefix / program != relay:
             (prefix / program).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(relay, prefix / program)
+    launchers = {name: entry for name, (_, entry) in COMMANDS.items()} | {"gpuhook-runtime": "runtime"}
+    for name, entry in launchers.items():
         launcher = bin_dir / name
         launcher.write_text(launcher_text(python, entry))
         launcher.chmod(0o755)
     return relay
+
+
+def _build(out: Path, program: str) -> None:
+    built = subprocess.run([str(BUILD), str(out), program], capture_output=True, text=True, check=False)
+    if built.returncode != 0:
+        raise RelayBuildError(f"{BUILD} {out} {program} failed ({built.returncode}):\n{built.stdout}{built.stderr}")
+
+
+def runtime_for(relay: Path) -> Path:
+    """The runc wrapper's front-end in the layout of *relay* (``bin/gpuhook-relay``) made by install_relay."""
+    return relay.parents[1] / RUNTIME
 
 
 def relay_for(relay: Path, command: str) -> Path:

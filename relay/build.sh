@@ -1,10 +1,12 @@
 #!/bin/sh
-# Build gpuhook-relay, statically linked: relay/build.sh OUT_PATH
+# Build gpuhook-relay (or gpuhook-runtime, the runc wrapper's front-end), statically linked:
+#   relay/build.sh OUT_PATH [gpuhook-relay|gpuhook-runtime]
 # The version it sends must be gpuhook's own (gpuhookd declines any other), so it is read from
 # gpuhook/__init__.py here rather than written down twice.
 set -eu
-if [ "$#" -ne 1 ]; then
-    echo "usage: $0 OUT_PATH" >&2
+program=${2:-gpuhook-relay}
+if [ "$#" -lt 1 ] || [ "$#" -gt 2 ] || { [ "$program" != gpuhook-relay ] && [ "$program" != gpuhook-runtime ]; }; then
+    echo "usage: $0 OUT_PATH [gpuhook-relay|gpuhook-runtime]" >&2
     exit 2
 fi
 here=$(cd "$(dirname "$0")" && pwd)
@@ -24,7 +26,7 @@ $cc -static -O2 -std=c11 -D_GNU_SOURCE -D_FORTIFY_SOURCE=2 -DGPUHOOK_VERSION="\"
     -Wall -Wextra -Werror -Wshadow -Wformat=2 -Wconversion -Wno-sign-conversion \
     $hardening \
     -Wl,-z,relro,-z,now,-z,noexecstack \
-    -o "$1" "$here/gpuhook-relay.c"
+    -o "$1" "$here/$program.c"
 # binutils comes with gcc; `file` may not be installed.
 if ! LC_ALL=C readelf -d "$1" | grep -q "There is no dynamic section"; then
     echo "$0: $1 is not statically linked" >&2

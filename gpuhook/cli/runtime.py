@@ -6,6 +6,8 @@ GPU devices and their rules into ``<bundle>/config.json`` (so the runtime owns
 them: see ``planning/specedit.py``) and adds gpuhook's prestart hook for the
 mounts and ld.so.cache, and its poststop hook, which releases the GPUs' lease
 when the container is deleted; every other command passes straight through.
+Installed, it runs behind relay/gpuhook-runtime.c, which execs runc itself for
+every other command and for a container that certainly asks for no GPU.
 The config comes from ``$GPUHOOK_CONFIG`` or ``/etc/gpuhook/config.yaml``.
 """
 
@@ -32,27 +34,42 @@ ENGINE_ENV_FIX: Final = ("gpuhook-runtime inherits its engine's environment (doc
 HOOK_STAGES: Final = ("prestart", "poststop")
 
 
+#: runc's and crun's global options that take a value (``--root DIR`` or ``--root=DIR``), as
+#: relay/gpuhook-runtime.c skips them to find the command word.
+VALUE_OPTIONS: Final = frozenset({"--root", "--log", "--log-format", "--log-level", "--criu", "--rootless",
+                                  "--cgroup-manager"})
+
+
+def command_at(argv: Sequence[str]) -> int:
+    """The index of the command word: the first argument that is not a global option (len(argv) if none)."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        if argv[i] == "--":
+            return i + 1
+        i += 2 if argv[i] in VALUE_OPTIONS else 1
+    return min(i, len(argv))
+
+
 def bundle_of(argv: Sequence[str]) -> Path | None:
     """The bundle of a ``create``/``run`` invocation (``--bundle``/``-b``, default cwd); None otherwise."""
-    command = next((a for a in argv if a in ("create", "run")), None)
-    if command is None:
+    at = command_at(argv)
+    if at == len(argv) or argv[at] not in ("create", "run"):
         return None
-    rest = list(argv[argv.index(command) + 1:])
+    rest = list(argv[at + 1:])
     for i, arg in enumerate(rest):
         if arg in ("--bundle", "-b") and i + 1 < len(rest):
             return Path(rest[i + 1])
-        if arg.startswith("--bundle="):
-            return Path(arg.partition("=")[2])
+        name, eq, value = arg.partition("=")
+        if eq and name in ("--bundle", "-b"):
+            return Path(value)
     return Path.cwd()
 
 
 def log_target(argv: Sequence[str]) -> tuple[str | None, str]:
     """runc's global ``--log FILE`` and ``--log-format text|json`` (before the command word)."""
     path, fmt = None, "text"
-    words = list(argv)
+    words = list(argv[:command_at(argv)])
     for i, word in enumerate(words):
-        if word in ("create", "run"):
-            break
         name, eq, value = word.partition("=")
         if name in ("--log", "--log-format") and not eq and i + 1 < len(words):
             value = words[i + 1]

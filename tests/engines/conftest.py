@@ -16,7 +16,7 @@ import pytest
 from integration.daemons import SYSTEM_PATH, Daemon, import_image, start_dockerd
 from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
-from integration.relay import relay_for
+from integration.relay import relay_for, runtime_for
 from integration.rootfs import build_rootfs
 
 REPO = Path(__file__).parents[2]
@@ -24,8 +24,6 @@ IMAGE: Final = "gpuhook-busybox:test"
 RUNTIME: Final = "gpuhook"
 #: The same wrapper under NVIDIA's name, as `gpuhook install --runtime docker --name nvidia` registers it.
 NVIDIA_RUNTIME: Final = "nvidia"
-# The console script of the interpreter running the tests (the venv gpuhook is installed in).
-RUNTIME_SCRIPT: Final = Path(sys.executable).with_name("gpuhook-runtime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +70,8 @@ POLICY: Final = ({"device": "0", "sharing": "exclusive"}, {"device": "all", "sha
 @pytest.fixture(scope="module")
 def docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, relay: Path) -> Iterator[Docker]:
     """A private dockerd: the gpuhook wrapper on its PATH (--gpus: gpuhook-relay under NVIDIA's name, served
-    by a gpuhookd, as the packages install it), gpuhook-runtime as runtime "gpuhook"; the host's config with
+    by a gpuhookd, as the packages install it), gpuhook-runtime (its C front-end, which runs the Python wrapper
+    for a GPU container's create, as the packages install it) as runtime "gpuhook"; the host's config with
     GPU 0 exclusive (POLICY) and a state_dir of its own."""
     with private_docker(tmp_path_factory, host, relay, POLICY) as docker:
         yield docker
@@ -84,8 +83,6 @@ def private_docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, rel
     """The ``docker`` fixture's dockerd and gpuhookd, for *host* under *policy*."""
     if os.geteuid() != 0:
         pytest.fail("the docker tests start a real dockerd and must run as root (make test does)")
-    if not os.access(RUNTIME_SCRIPT, os.X_OK):
-        pytest.fail(f"{RUNTIME_SCRIPT} is missing: install gpuhook into this interpreter's venv (pip install -e .)")
     rootfs = build_rootfs(REPO / ".cache" / "rootfs")
     base = tmp_path_factory.mktemp("docker")
     calls = base / "hook-calls"
@@ -97,7 +94,7 @@ def private_docker(tmp_path_factory: pytest.TempPathFactory, host: FakeHost, rel
         write_hook_wrapper(base / "bin", config, calls, nvidia_relay, daemon_socket=gpuhookd.socket)
         daemon = start_dockerd(base / "dockerd", path_dirs=[base / "bin"],
                                env={"GPUHOOK_CONFIG": str(config)},
-                               runtimes={RUNTIME: RUNTIME_SCRIPT, NVIDIA_RUNTIME: RUNTIME_SCRIPT})
+                               runtimes={RUNTIME: runtime_for(relay), NVIDIA_RUNTIME: runtime_for(relay)})
         try:
             import_image(daemon, rootfs, IMAGE)
             yield Docker(daemon, IMAGE, calls, host.root / "gpuhook.log", config, state_dir)

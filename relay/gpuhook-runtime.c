@@ -1,0 +1,167 @@
+/*
+ * gpuhook-runtime (and nvidia-container-runtime): the runc wrapper's start without a Python interpreter.
+ *
+ * An engine registers the wrapper as its runtime (docker --runtime, containerd's BinaryName, CRI-O's
+ * runtime_path) and then runs it for every runtime call of every container: create, start, state,
+ * kill, delete, ps, events ... Only a `create` or `run` of a container that asks for a GPU needs the
+ * Python wrapper (gpuhook/cli/runtime.py), which edits the bundle's config.json and then execs runc.
+ * Everything else is exec'd straight into runc (or crun) from trusted directories, with the argv and
+ * environment the engine gave: runc needs that environment (NOTIFY_SOCKET, XDG_RUNTIME_DIR), and the
+ * engine's environment is the engine's, not the container's.
+ *
+ * "Asks for a GPU" is decided as the Python wrapper's own first step decides it (request/quick.py
+ * GPU_MARKERS): a config.json with none of those byte strings certainly asks for none. Any config.json
+ * this cannot read in full (missing, too big, unreadable) goes to the Python wrapper, which reports it.
+ * The Python wrapper is <prefix>/bin/gpuhook-runtime beside <prefix>/libexec/ where this program lives.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define SPEC_LIMIT (8 << 20)  /* oci.spec.SPEC_LIMIT: a bigger config.json goes to the Python wrapper */
+#define RUNTIME_DIRS { "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin" }
+
+extern char **environ;
+
+/* request/quick.py GPU_MARKERS, in the same order. */
+static const char *const markers[] = { "\\u", "NVIDIA_", "CUDA_VERSION", "nvidia-container-devices", "cdi.k8s.io" };
+
+static char spec[SPEC_LIMIT + 1];
+
+static _Noreturn void fail(const char *what, const char *detail)
+{
+    fprintf(stderr, "gpuhook-runtime: %s: %s\n", what, detail);
+    exit(1);
+}
+
+/* runc's and crun's global options that take a value (`--root DIR` or `--root=DIR`). */
+static int takes_value(const char *flag)
+{
+    static const char *const with_value[] = { "--root", "--log", "--log-format", "--log-level", "--criu",
+                                              "--rootless", "--cgroup-manager" };
+    for (size_t i = 0; i < sizeof with_value / sizeof *with_value; i++)
+        if (strcmp(flag, with_value[i]) == 0)
+            return 1;
+    return 0;
+}
+
+/* The index of the command word (the first argument that is not a global option), or argc. */
+static int command_index(int argc, char **argv)
+{
+    int i = 1;
+    while (i < argc && argv[i][0] == '-') {
+        if (strcmp(argv[i], "--") == 0)
+            return i + 1;
+        i += takes_value(argv[i]) && i + 1 < argc ? 2 : 1;
+    }
+    return i;
+}
+
+/* The bundle of a create/run at argv[at] (--bundle/-b DIR, --bundle=DIR, -b=DIR), "." by default. */
+static const char *bundle_of(int argc, char **argv, int at)
+{
+    for (int i = at + 1; i < argc; i++) {
+        const char *a = argv[i];
+        if ((strcmp(a, "--bundle") == 0 || strcmp(a, "-b") == 0) && i + 1 < argc)
+            return argv[i + 1];
+        if (strncmp(a, "--bundle=", 9) == 0)
+            return a + 9;
+        if (strncmp(a, "-b=", 3) == 0)
+            return a + 3;
+    }
+    return ".";
+}
+
+/* 1: <bundle>/config.json was read in full and holds none of the markers; 0: the Python wrapper decides. */
+static int certainly_no_gpu(const char *bundle)
+{
+    char path[4096];
+    int w = snprintf(path, sizeof path, "%s/config.json", bundle);
+    if (w < 0 || (size_t)w >= sizeof path)
+        return 0;
+    /* As the Python wrapper reads it (hookcall.read_config_json): never through a symlink, never a FIFO. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK | O_NOFOLLOW);
+    struct stat st;
+    if (fd < 0)
+        return 0;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        (void)close(fd);
+        return 0;
+    }
+    size_t len = 0;
+    for (;;) {
+        ssize_t n = read(fd, spec + len, sizeof spec - len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 || (n > 0 && len + (size_t)n > SPEC_LIMIT)) {
+            (void)close(fd);
+            return 0;
+        }
+        if (n == 0)
+            break;
+        len += (size_t)n;
+    }
+    (void)close(fd);
+    for (size_t i = 0; i < sizeof markers / sizeof *markers; i++)
+        if (memmem(spec, len, markers[i], strlen(markers[i])) != NULL)
+            return 0;
+    return 1;
+}
+
+/* runc, else crun, from the trusted directories only (never the engine's PATH). */
+static _Noreturn void exec_runtime(char **argv)
+{
+    static const char *const dirs[] = RUNTIME_DIRS;
+    static const char *const names[] = { "runc", "crun" };
+    char path[256];
+    for (size_t n = 0; n < 2; n++)
+        for (size_t d = 0; d < sizeof dirs / sizeof *dirs; d++) {
+            (void)snprintf(path, sizeof path, "%s/%s", dirs[d], names[n]);  /* short constants: fits */
+            if (access(path, X_OK) == 0) {
+                argv[0] = path;
+                execve(path, argv, environ);
+                fail(path, strerror(errno));
+            }
+        }
+    fail("neither runc nor crun found in", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
+}
+
+/* <prefix>/bin/gpuhook-runtime for this program at <prefix>/libexec/..., refused if it is this program. */
+static _Noreturn void exec_python_wrapper(char **argv)
+{
+    char exe[2048], wrapper[2100];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0 || (size_t)n >= sizeof exe - 1)
+        fail("cannot find its own executable", n < 0 ? strerror(errno) : "unusable /proc/self/exe");
+    exe[n] = '\0';
+    char *slash = strrchr(exe, '/');
+    if (slash)
+        *slash = '\0';
+    slash = strrchr(exe, '/');  /* exe is now our directory; its parent holds bin */
+    if (!slash)
+        fail("cannot find its own executable", "it is in /");
+    *slash = '\0';
+    (void)snprintf(wrapper, sizeof wrapper, "%s/bin/gpuhook-runtime", exe);  /* 2048 + 20 bytes: fits */
+    struct stat me, it;
+    if (stat("/proc/self/exe", &me) == 0 && stat(wrapper, &it) == 0 && me.st_dev == it.st_dev &&
+        me.st_ino == it.st_ino)
+        fail(wrapper, "is this program itself; it must be the Python wrapper (gpuhook.cli.entry:runtime)");
+    argv[0] = wrapper;
+    execve(wrapper, argv, environ);
+    fail(wrapper, strerror(errno));
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 1)
+        fail("started without argv[0]", "nothing to do");
+    int at = command_index(argc, argv);
+    if (at < argc && (strcmp(argv[at], "create") == 0 || strcmp(argv[at], "run") == 0) &&
+        !certainly_no_gpu(bundle_of(argc, argv, at)))
+        exec_python_wrapper(argv);
+    exec_runtime(argv);
+}
