@@ -69,13 +69,18 @@ venv: $(VENV)/.installed
 
 # gpuhook-relay (relay/gpuhook-relay.c, static) beside the venv's `gpuhook`, which it falls back to,
 # and the same program as libexec/nvidia-container-runtime-hook (falling back to bin/'s command of
-# that name): register them to start no interpreter when gpuhookd serves. (Tests, the benchmark
-# and the packages lay out their own with relay/build.sh.)
-relay: $(VENV)/bin/gpuhook-relay
+# that name): register them to start no interpreter when gpuhookd serves. libexec/gpuhook-runtime
+# (relay/gpuhook-runtime.c) is the runc wrapper to register with docker/containerd/CRI-O: it runs
+# bin/gpuhook-runtime only for a GPU container's create. (Tests, the benchmark and the packages lay
+# out their own with relay/build.sh.)
+relay: $(VENV)/bin/gpuhook-relay $(VENV)/libexec/gpuhook-runtime
 
 $(VENV)/bin/gpuhook-relay: relay/gpuhook-relay.c relay/build.sh gpuhook/__init__.py $(VENV)/.installed
 	relay/build.sh $@
 	mkdir -p $(VENV)/libexec && cp $@ $(VENV)/libexec/nvidia-container-runtime-hook
+
+$(VENV)/libexec/gpuhook-runtime: relay/gpuhook-runtime.c relay/build.sh $(VENV)/.installed
+	mkdir -p $(VENV)/libexec && relay/build.sh $@ gpuhook-runtime
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
