@@ -330,6 +330,7 @@ def _logged_timings(log: Path | None, offset: int) -> dict[str, float]:
             out["mig_ms"] = event["ms"]
         elif event.get("event") == "applied":
             out["apply_ms"], out["total_ms"] = event["ms"], event["total_ms"]
+            out.update({f"step:{step}": ms for step, ms in event.get("steps_ms", {}).items()})
             if event.get("served_by") == "gpuhookd":
                 out["worker_rss_mib"] = event["peak_rss_mib"]
     return out
@@ -390,6 +391,9 @@ def summarise(scenarios: Sequence[Scenario], samples: dict[str, Samples]) -> dic
             found = [t[key] for t in got.log_ms if key in t]
             if found:
                 logged[key] = round(statistics.median(found), 2)
+        steps = dict.fromkeys(k for t in got.log_ms for k in t if k.startswith("step:"))
+        profile = {k.removeprefix("step:"): round(statistics.median(t.get(k, 0.0) for t in got.log_ms), 2)
+                   for k in steps}
         out[scenario.name] = {
             "title": scenario.title,
             "runs": len(got.wall_ms),
@@ -402,6 +406,7 @@ def summarise(scenarios: Sequence[Scenario], samples: dict[str, Samples]) -> dic
                                        default=None),
             "nvml_calls_per_start": statistics.mean(got.nvml_calls) if scenario.host else None,
             "hook_log_ms_median": logged or None,
+            "profile_ms_median": profile or None,
             "wall_ms": [round(v, 2) for v in got.wall_ms],
         }
     return out
@@ -483,9 +488,42 @@ def markdown(report: dict[str, Any]) -> str:
         calls = "–" if r["nvml_calls_per_start"] is None else f"{r['nvml_calls_per_start']:g}"
         lines.append(f"| {r['title']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['ratio_vs_bare']:.2f} "
                      f"| {hook} | {steps} | {rss} | {calls} |")
+    lines += ["", *profile_lines(report["scenarios"])]
     lines += ["", "| target | measured | met |", "|---|---:|:---:|"]
     lines += [f"| {t['target']} | {t['value']:g} | {'yes' if t['met'] else '**no**'} |" for t in report["targets"]]
     return "\n".join(lines) + "\n"
+
+
+#: The GPU starts whose time is broken down step by step (issue #20: choose the next millisecond from data).
+PROFILED: Final = ("gpu8", "gpu8-all", "gpu64")
+
+
+def profile_lines(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Where a GPU start's time goes, as a Markdown table: runc's own share, the relay↔gpuhookd exchange
+    (the hook's wall time less the worker's), and the worker's steps (medians; discovery and lease from
+    their own events, then plan, device cgroup, and the apply child's)."""
+    bare = results["bare"]["median_ms"]
+    rows = [name for name in PROFILED if results[name]["profile_ms_median"]]
+    if not rows:
+        return []
+    steps = list(dict.fromkeys(step for name in rows for step in results[name]["profile_ms_median"]))
+    head = ["runc's own (start − bare − hook)", "relay ↔ gpuhookd (hook − worker)", "discovery", "lease", *steps]
+    lines = ["Profile of the GPU path (median ms): " + ", ".join(f"`{name}`" for name in rows),
+             "", "| step | " + " | ".join(results[name]["title"] for name in rows) + " |",
+             "|---|" + "---:|" * len(rows)]
+    cells: dict[str, list[str]] = {h: [] for h in head}
+    for name in rows:
+        r = results[name]
+        logged, profile = r["hook_log_ms_median"] or {}, r["profile_ms_median"]
+        hook, worker = r["hook_ms_median"], logged.get("total_ms")
+        cells[head[0]].append(f"{r['median_ms'] - bare - hook:.1f}" if hook is not None else "–")
+        cells[head[1]].append(f"{hook - worker:.1f}" if hook is not None and worker is not None else "–")
+        cells["discovery"].append(f"{logged.get('discovery_ms', 0):g}")
+        cells["lease"].append(f"{logged.get('lease_ms', 0):g}")
+        for step in steps:
+            cells[step].append(f"{profile.get(step, 0):g}")
+    lines += [f"| {h} | " + " | ".join(cells[h]) + " |" for h in head]
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,9 +52,12 @@ _NO_PROC_DRIVER = "the container's /proc has no driver/nvidia (the NVIDIA kernel
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ApplyReport:
-    """What the privileged step did not do, and why (data, logged by the caller)."""
+    """What the privileged step did not do, and why (data, logged by the caller), and what each step took."""
 
     skipped: tuple[str, ...] = ()
+    #: (step, milliseconds) in the child, in order: open (host sources, the container's root), nodes,
+    #: mounts, symlinks, proc (/proc/driver/nvidia), ldconfig (the profile `make bench` prints)
+    steps_ms: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +233,7 @@ def _collect(child: int, read_fd: int, container: ContainerRef, timeout: float) 
         report = {"error": ApplyError("apply", str(rootfs), detail=f"garbled report {raw[:200]!r}").to_dict()}
     if "error" in report:
         raise error_from_dict(report["error"])
-    return ApplyReport(skipped=tuple(report["skipped"]))
+    return ApplyReport(skipped=tuple(report["skipped"]), steps_ms=tuple(report.get("steps_ms", {}).items()))
 
 
 def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ahead: ChildAhead | None,
@@ -266,9 +269,10 @@ def _child_main(
             syscalls.enter_mount_view(*view)
             for fd in view:
                 os.close(fd)
+        steps: dict[str, float] = {}
         fs, skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, ldconfig_ahead,
-                                          channel.fileno())
-        report: dict[str, object] = {"skipped": skipped}
+                                          channel.fileno(), steps)
+        report: dict[str, object] = {"skipped": skipped, "steps_ms": steps}
         status = 0
     except ApplyError as err:
         report = {"error": err.to_dict()}
@@ -310,10 +314,18 @@ def _hold(fs: RootFs, channel: _socket.socket, deadline: float) -> bool:
 
 def _apply_in_container(
     plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, ldconfig_ahead: ChildAhead | None,
-    abort_fd: int,
+    abort_fd: int, steps: dict[str, float],
 ) -> tuple[RootFs, list[str]]:
     """Open host sources, enter the container, make every change; undo all on failure. *abort_fd*:
-    the channel to the parent, whose closing stops a running ldconfig."""
+    the channel to the parent, whose closing stops a running ldconfig; *steps*: filled with each
+    step's milliseconds."""
+    clock = [time.monotonic()]
+
+    def done(step: str) -> None:
+        now = time.monotonic()
+        steps[step] = round((now - clock[0]) * 1000, 3)
+        clock[0] = now
+
     os.umask(0)
     trees = [_host_tree(m) for m in plan.mounts]
     proc_binds = (*plan.proc_driver.gpu_dirs, *plan.proc_driver.cap_files) if plan.proc_driver else ()
@@ -323,22 +335,27 @@ def _apply_in_container(
     syscalls.setns(pidfd, syscalls.CLONE_NEWNS)
     fs = RootFs(_open_rootfs(container))
     skipped: list[str] = []
+    done("open")
     try:
         for node in plan.devices:
             with _step("mknod", node.path):
                 fs.mknod(node.path, node.major, node.minor, node.mode)
+        done("nodes")
         for mount, tree in zip(plan.mounts, trees, strict=True):
             with _step("mount", mount.target):
                 target = fs.directory(mount.target) if mount.directory else fs.mount_target(mount.target)
                 fs.attach(tree, target, mount.target)
+        done("mounts")
         for link in plan.symlinks:
             with _step("symlink", link.path):
                 if not fs.symlink(link.path, link.target):
                     skipped.append(f"{link.path}: already exists in the image")
+        done("symlinks")
         if plan.proc_driver is not None:
             with _step("mount tmpfs", plan.proc_driver.target):
                 if not _mask_proc_driver(fs, plan.proc_driver, proc_trees):
                     skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
+        done("proc")
         dirs = _compat_first(fs, plan, skipped)
         if dirs and ldconfig_fd is not None:
             with _step("save", LD_SO_CACHE):
@@ -352,6 +369,7 @@ def _apply_in_container(
             run_ldconfig(ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared,
                          timeout=min(timeout / 2, LDCONFIG_DEADLINE_S),
                          ahead=ldconfig_ahead, abort_fd=abort_fd)
+        done("ldconfig")
     except BaseException as err:
         leftovers = fs.rollback()
         if leftovers and isinstance(err, ApplyError):
