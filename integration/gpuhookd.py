@@ -7,8 +7,14 @@ import subprocess
 import time
 from pathlib import Path
 
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
+# Generous: on a busy machine the interpreter starts, imports and forks (the spares at nice 19) wait for CPU.
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 60.0
+SETTLE_TIMEOUT_S = 60.0
+#: The daemon keeps this many workers waiting (gpuhook.daemon.pool.SPARE_WORKERS) ...
+SPARE_WORKERS = 2
+#: ... each with its apply child forked ahead, and that child's ldconfig child.
+PREPARED_CHILDREN = 2
 
 
 class DaemonError(RuntimeError):
@@ -56,6 +62,28 @@ class Gpuhookd:
                 continue  # exited meanwhile
         return found
 
+    def family(self) -> dict[int, list[int]]:
+        """Each worker (a child of the daemon) and its descendants."""
+        parents = {pid: _ppid(pid) for pid in self.processes()}
+
+        def descendants(pid: int) -> list[int]:
+            kids = [c for c, p in parents.items() if p == pid]
+            return kids + [d for kid in kids for d in descendants(kid)]
+
+        return {pid: descendants(pid) for pid, p in parents.items() if p == self.proc.pid}
+
+    def settled(self) -> dict[int, list[int]]:
+        """Wait until the pool is at rest (its spare workers, each with its children forked ahead), so that
+        counting processes compares like with like; that family."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while len(family := self.family()) != SPARE_WORKERS or any(
+                len(kids) != PREPARED_CHILDREN for kids in family.values()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise DaemonError(f"gpuhookd's pool did not settle within {SETTLE_TIMEOUT_S:g} s "
+                                  f"(workers and their children: {family}): {self.journal.read_text()}")
+            time.sleep(0.05)
+        return family
+
     def stop(self) -> str:
         """SIGTERM it and wait until its idle workers are gone too; its journal."""
         if self.proc.poll() is None:
@@ -67,3 +95,11 @@ class Gpuhookd:
                 raise DaemonError(f"gpuhookd's workers outlived it: {left}")
             time.sleep(0.05)
         return self.journal.read_text()
+
+
+def _ppid(pid: int) -> int:
+    """The parent of *pid* (0 if it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0

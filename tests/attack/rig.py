@@ -4,7 +4,9 @@ Every run goes through ``Rig.run``, which checks around it:
 
 * (o2) the test's tmp tree outside every rootfs (host markers, configs, bundles) is identical
   after the run: same entries, types, modes, inode numbers, symlink targets and file hashes;
-* (o3) the host mount table is unchanged;
+* (o3) the host mount table is unchanged: every mount under the test's paths (its tmp tree, the
+  simulated host's root), and elsewhere every mount gpuhook could have made (``host_mounts``), so
+  that what other processes mount meanwhile on a busy host does not count;
 * (o4) the run finished under its timeout;
 * no cgroup of the container is left (``run_container`` raises otherwise).
 
@@ -33,7 +35,15 @@ from typing import Any, Final
 
 import yaml
 
-from integration.engines import RunResult, default_spec, host_mounts, run_container, unique_id, write_bundle
+from integration.engines import (
+    RunResult,
+    default_spec,
+    fs_relative,
+    host_mounts,
+    run_container,
+    unique_id,
+    write_bundle,
+)
 from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
 from integration.rootfs import copy_rootfs
@@ -110,20 +120,6 @@ def diff(before: Mapping[str, Row], after: Mapping[str, Row]) -> list[str]:
 def _unescape(field: str) -> str:
     """Undo mountinfo's octal escapes (\\040 for a space ...)."""
     return field.encode().decode("unicode_escape") if "\\" in field else field
-
-
-def fs_relative(path: Path) -> str:
-    """*path* as the ``root`` field of a bind mount of it shows it (relative to its filesystem's root)."""
-    best_mp, best_root = "", "/"
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split(" - ")[0].split()
-            mountpoint = _unescape(fields[4])
-            inside = os.fspath(path) == mountpoint or os.fspath(path).startswith(mountpoint.rstrip("/") + "/")
-            if inside and len(mountpoint) >= len(best_mp):
-                best_mp, best_root = mountpoint, _unescape(fields[3])
-    rest = os.fspath(path)[len(best_mp.rstrip("/")):]
-    return (best_root.rstrip("/") + rest) or "/"
 
 
 # --- outcome ----------------------------------------------------------------------------------------
@@ -438,7 +434,7 @@ class Rig:
 
     def gpuhook_mounts(self, outcome: Outcome) -> list[tuple[str, str, str]]:
         """(host path, mount point, fstype) of every mount in the container that gpuhook made."""
-        host_root = fs_relative(self.host.root)
+        _, host_root = fs_relative(self.host.root)
         out = []
         for line in outcome.section(_MOUNTS):
             head, _, tail = line.partition(" - ")

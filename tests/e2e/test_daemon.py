@@ -56,27 +56,14 @@ def test_spare_workers_wait_for_requests(make_container: MakeContainer, host: Fa
     they are; a GPU request ends its worker, whose replacement forks its apply child (and that child
     its ldconfig child) ahead, so no request waits for a fork. (A worker forked while a connection
     is already queued serves at once, unprepared: a burst.)"""
-
-    def family() -> dict[int, list[int]]:
-        """Each worker (a child of the daemon) and its descendants."""
-        parents = {pid: _ppid(pid) for pid in daemon.processes()}
-
-        def descendants(pid: int) -> list[int]:
-            kids = [c for c, p in parents.items() if p == pid]
-            return kids + [d for kid in kids for d in descendants(kid)]
-
-        return {pid: descendants(pid) for pid, p in parents.items() if p == daemon.proc.pid}
-
-    deadline = time.monotonic() + 60  # a busy machine: forks at nice 19 wait for CPU
-    while len(before := family()) != 2 or any(len(kids) != 2 for kids in before.values()):
-        assert time.monotonic() < deadline, before
-        time.sleep(0.05)
+    before = daemon.settled()  # a busy machine: forks at nice 19 wait for CPU
     for _ in range(3):
         client.ping(daemon.socket)
-    assert family() == before  # answered by a waiting worker, which still waits
+    assert daemon.family() == before  # answered by a waiting worker, which still waits
     hook = hook_entry(host.config_path, "--daemon-socket", daemon.socket, "prestart")
     assert make_container("true", TWO_GPUS, hook=hook).run().returncode == 0
-    while len(after := family()) != 2 or not after.keys() - before.keys() or any(
+    deadline = time.monotonic() + 60
+    while len(after := daemon.family()) != 2 or not after.keys() - before.keys() or any(
             len(after[new]) != 2 for new in after.keys() - before.keys()):
         assert time.monotonic() < deadline, (before, after)
         time.sleep(0.05)
@@ -84,12 +71,13 @@ def test_spare_workers_wait_for_requests(make_container: MakeContainer, host: Fa
     assert len(after.keys() - before.keys()) == 1  # its replacement waits, apply and ldconfig children ready
 
 
-def _ppid(pid: int) -> int:
-    """The parent of *pid* (0 if it is gone)."""
+def _answers(path: str) -> bool:
+    """Whether a gpuhookd answers a ping at *path*."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError):
-        return 0
+        client.ping(path)
+    except client.NotServed:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("engine", ["runc", "crun", "runc-cgroup2"])
@@ -194,10 +182,12 @@ def test_client_never_talks_to_a_non_root_server(tmp_path: Path) -> None:
     open_up(tmp_path)
     tmp_path.chmod(0o777)
     path = tmp_path / "fake.sock"
-    code = ("import socket, sys, time\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen()\n"
-            "print('up', flush=True)\nc, _ = s.accept()\ntime.sleep(5)\n")
+    # It holds the connection until killed (stdin is never written): no sleep to outlast.
+    code = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen()\n"
+            "print('up', flush=True)\nc, _ = s.accept()\nsys.stdin.read()\n")
     server = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable,
-                               "-I", "-c", code, str(path)], stdout=subprocess.PIPE, text=True, cwd="/")
+                               "-I", "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              cwd="/")
     try:
         assert server.stdout is not None and server.stdout.readline() == "up\n"
         with pytest.raises(client.NotServed, match=r"is served by uid 65534, not root"):
@@ -290,8 +280,10 @@ def test_daemon_in_its_own_mount_and_cgroup_namespaces(make_container: MakeConta
                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/",
                                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "GPUHOOK_CONFIG": str(host.config_path)})
     try:
-        deadline = time.monotonic() + 20
-        while not Path(path).exists():
+        # Wait for its answer, not its socket file: the file exists from bind(), before listen() and
+        # before the workers are forked, and a hook connecting then would be served in-process.
+        deadline = time.monotonic() + 60
+        while not _answers(path):
             assert pod.poll() is None and time.monotonic() < deadline, journal.read_text()
             time.sleep(0.05)
         own_ns = os.stat("/proc/self/ns/mnt").st_ino

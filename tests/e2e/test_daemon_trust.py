@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from gpuhook import __version__
-from gpuhook.daemon import client, pool, server, wire
+from gpuhook.daemon import client, pool, wire
 from gpuhook.sys import fdpass
 from integration.engines import tree_snapshot
 from integration.fakehost import FakeHost
@@ -113,7 +113,7 @@ def other_process(tmp_path: Path) -> Iterator[int]:
     root.mkdir()
     proc = subprocess.Popen(["unshare", "--mount", "--net", "--cgroup", "--fork", "sleep", "60"])
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not (kids := Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()):
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -199,40 +199,48 @@ def test_idle_and_slow_clients_cost_only_their_connections(make_container: MakeC
     client is declined within the whole-request deadline, not after each byte."""
     idle = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(6)]
     slow = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
-    started = time.monotonic()
     for sock in idle + slow:
         sock.connect(daemon.socket)
-        sock.settimeout(server.READ_TIMEOUT + 10)
+        sock.settimeout(60)
     try:
         for sock in slow:
             sock.send(b"g")
         no_gpu = make_container("true", {}, hook=relay_entry(relay, host.config_path, "--daemon-socket",
                                                                daemon.socket, "prestart"))
-        run = time.monotonic()
         assert no_gpu.run().returncode == 0
         served_gpu_start(make_container, host, daemon)
-        assert time.monotonic() - run < server.READ_TIMEOUT - 1  # neither waited for a slow client
-        replies = [wire.decode_reply(_trickle(sock)) for sock in slow]
-        assert time.monotonic() - started < server.READ_TIMEOUT + 3
+        # Neither waited for a slow client: those are still unanswered (each holds its worker until
+        # gpuhookd's READ_TIMEOUT, a fixed 5 s from their connect). An event, not a stopwatch; only
+        # a machine so loaded that two starts take over 5 s could still fail it (see the report).
+        assert select.select(slow, [], [], 0)[0] == [], "a slow client was answered before the starts ended"
+        trickled = [_trickle(sock) for sock in slow]
+        # Declined within the whole-request deadline: before the trickle (a byte a second, longer than
+        # the deadline) was all sent; a per-byte deadline would let it run to its end and beyond.
+        assert all(cut_short for _, cut_short in trickled), trickled
+        replies = [wire.decode_reply(reply) for reply, _ in trickled]
         assert all(r[:2] == (b"declined", 0) and "did not arrive whole within 5 s" in r[2] for r in replies), replies
     finally:
         for sock in idle + slow:
             sock.close()
 
 
-def _trickle(sock: socket.socket) -> bytes:
-    """Send a request a byte a second until the daemon answers; its whole answer."""
+def _trickle(sock: socket.socket) -> tuple[bytes, bool]:
+    """Send a request a byte a second until the daemon answers: (its whole answer, whether it came
+    before the request was all sent)."""
+    cut_short = False
     for byte in b"puhookd/1 hook 1 1 1 1 1 1\n":
         if select.select([sock], [], [], 1.0)[0]:
+            cut_short = True
             break
         try:
             sock.send(bytes([byte]))
         except OSError:
+            cut_short = True
             break
     chunks = []
     while chunk := sock.recv(65536):
         chunks.append(chunk)
-    return b"".join(chunks)
+    return b"".join(chunks), cut_short
 
 
 def test_probes_and_departing_clients_leave_the_workers_serving(make_container: MakeContainer, host: FakeHost,
@@ -251,7 +259,7 @@ def test_probes_and_departing_clients_leave_the_workers_serving(make_container: 
         leaver.connect(daemon.socket)
         leaver.sendall(wire.encode_request(b"ping", [__version__.encode()]))
     assert client.ping(daemon.socket) == __version__
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while len(workers_of(daemon)) != SPARES:
         assert time.monotonic() < deadline, workers_of(daemon)
         time.sleep(0.05)

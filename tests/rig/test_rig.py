@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,9 +59,10 @@ class Runner:
     ) -> RunResult:
         """Run an existing bundle and check the host afterwards."""
         container_id = container_id or engines.unique_id(engine)
-        before = engines.host_mounts()
+        # Only this test's paths and mounts gpuhook could have made: other processes mount meanwhile.
+        before = engines.host_mounts(self.base)
         result = engines.run_container(engine, bundle, container_id, timeout=timeout)
-        assert engines.host_mounts() == before
+        assert engines.host_mounts(self.base) == before
         assert not Path(f"/run/{engine}", container_id).exists()
         assert engines.leftover_cgroups(container_id) == []
         return result
@@ -297,42 +300,86 @@ def _umask() -> int:
     return mask
 
 
-def test_host_mounts_sees_a_new_mount(tmp_path: Path) -> None:
-    """host_mounts() is sensitive: a tmpfs mounted on the host appears, and vanishes after umount."""
+def test_host_mounts_sees_a_new_mount_under_an_owned_path(tmp_path: Path) -> None:
+    """host_mounts(owned) is sensitive: a tmpfs mounted under an owned path appears, and vanishes after umount."""
     target = tmp_path / "m"
     target.mkdir()
-    before = engines.host_mounts()
+    before = engines.host_mounts(tmp_path)
     subprocess.run(["mount", "-t", "tmpfs", "rigtest", str(target)], check=True)
     try:
-        added = engines.host_mounts() - before
+        added = engines.host_mounts(tmp_path) - before
     finally:
         subprocess.run(["umount", str(target)], check=True)
     assert added == {f"{target} tmpfs rigtest /"}
-    assert engines.host_mounts() == before
+    assert engines.host_mounts(tmp_path) == before
+
+
+def test_host_mounts_needs_owned_paths() -> None:
+    """The whole mount table is never the oracle: another process's mount would fail the test."""
+    with pytest.raises(ValueError, match="needs the paths the test owns"):
+        engines.host_mounts()
+
+
+#: Run in a private mount namespace (so that nothing here reaches the host, where another test run's
+#: oracle would see it): report ready, wait for a line, make the mounts, report done, wait again.
+_MOUNTER = """
+set -e
+echo ready; read go
+for spec in "$@"; do
+    eval "mount $spec"
+done
+echo done; read go
+"""
 
 
 def test_owned_host_mounts_keep_what_gpuhook_could_make(tmp_path: Path) -> None:
-    """host_mounts(*owned) drops other processes' mounts (a named tmpfs, a bind of a foreign directory)
-    but keeps a source-less tmpfs anywhere and any mount whose root or point lies under an owned path."""
-    owned, foreign = tmp_path / "owned", tmp_path / "foreign"
-    points = {name: tmp_path / name for name in ("named", "anon", "bind-foreign", "bind-owned")}
-    for path in (owned, foreign, *points.values()):
+    """host_mounts(*owned) keeps any mount at or under an owned path, a bind whose root lies under one
+    (a driver file of the simulated host, mounted anywhere), and a tmpfs of gpuhook's shape anywhere;
+    it drops other processes' mounts: a named tmpfs, a source-less tmpfs of another shape, a bind of a
+    foreign directory."""
+    owned, foreign, elsewhere = tmp_path / "owned", tmp_path / "foreign", Path(tempfile.mkdtemp(prefix="rigtest-"))
+    inside = owned / "point"
+    points = {name: elsewhere / name for name in ("named", "anon", "gpuhook-tmpfs", "gpuhook-cover",
+                                                   "bind-foreign", "bind-owned")}
+    for path in (owned, foreign, inside, *points.values()):
         path.mkdir()
     (owned / "driver-file").write_text("x")
-    mounts = [["-t", "tmpfs", "engine-shm", str(points["named"])], ["-t", "tmpfs", "none", str(points["anon"])],
-              ["--bind", str(foreign), str(points["bind-foreign"])], ["--bind", str(owned), str(points["bind-owned"])]]
-    before = engines.host_mounts(owned)
-    done = []
+    mounts = [f"-t tmpfs engine-shm {points['named']}", f"-t tmpfs none {points['anon']}",
+              f"-t tmpfs -o mode=0555,size=1m none {points['gpuhook-tmpfs']}",
+              f"-t tmpfs -o mode=0555,size=4k none {points['gpuhook-cover']}",
+              f"--bind {foreign} {points['bind-foreign']}", f"--bind {owned} {points['bind-owned']}",
+              f"-t tmpfs other {inside}"]
+    child = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", _MOUNTER, "sh", *mounts],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
     try:
-        for argv in mounts:
-            subprocess.run(["mount", *argv], check=True)
-            done.append(argv[-1])
-        added = engines.host_mounts(owned) - before
+        assert child.stdout.readline() == "ready\n"
+        before = engines.host_mounts(owned, pid=child.pid)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "done\n", "the mounts failed (see stderr)"
+        added = engines.host_mounts(owned, pid=child.pid) - before
+        everything = {row.point for row in engines.read_mounts(child.pid)}
     finally:
-        for point in reversed(done):
-            subprocess.run(["umount", point], check=True)
-    assert {line.split()[0] for line in added} == {str(points["anon"]), str(points["bind-owned"])}
-    assert engines.host_mounts(owned) == before
+        child.kill()
+        child.wait()
+        shutil.rmtree(elsewhere)
+    assert {str(p) for p in points.values()} | {str(inside)} <= everything  # every mount was made
+    assert {line.split()[0] for line in added} == {
+        str(points["gpuhook-tmpfs"]), str(points["gpuhook-cover"]), str(points["bind-owned"]), str(inside)}
+
+
+def test_fs_relative_names_a_path_as_a_bind_mount_root_shows_it(tmp_path: Path) -> None:
+    """On a tmpfs mounted at a test path, a file's fs-relative path drops the mount point."""
+    (tmp_path / "fs").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "rigtest", str(tmp_path / "fs")], check=True)
+    try:
+        (tmp_path / "fs" / "sub").mkdir()
+        device, rel = engines.fs_relative(tmp_path / "fs" / "sub")
+        rows = [row for row in engines.read_mounts() if row.point == str(tmp_path / "fs")]
+    finally:
+        subprocess.run(["umount", str(tmp_path / "fs")], check=True)
+    assert rel == "/sub" and [row.device for row in rows] == [device]
 
 
 def test_require_tool() -> None:
