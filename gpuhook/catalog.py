@@ -97,6 +97,25 @@ CONTROL_NODES: Final[Mapping[str, Capability | None]] = MappingProxyType({
     "nvidia-modeset": Capability.DISPLAY,
 })
 
+#: nvidia-modprobe's arguments that create a missing control node (loading its module first), as NVIDIA's
+#: load-kmods does; nvidia-modeset is left out: it is optional (display), skipped when absent, as before.
+MODPROBE_CONTROL: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType({
+    "nvidiactl": ("-c", "255"),
+    "nvidia-uvm": ("-u", "-c", "0"),
+    "nvidia-uvm-tools": ("-u", "-c", "0"),
+})
+
+
+def modprobe_gpu(minor: int) -> tuple[str, ...]:
+    """nvidia-modprobe's arguments that create /dev/nvidia<minor>."""
+    return ("-c", str(minor))
+
+
+def modprobe_capability(cap: str) -> tuple[str, ...]:
+    """nvidia-modprobe's arguments that create the node of the capability *cap* (``gpu0/mig/gi1/access``)."""
+    return ("-f", f"/proc/driver/nvidia/capabilities/{cap}")
+
+
 #: The character-device major of /dev/nvidiactl and /dev/nvidiaN (fixed by the driver).
 NVIDIA_MAJOR: Final = 195
 NVIDIACTL_MINOR: Final = 255

@@ -1,9 +1,12 @@
-"""gpuhook's configuration: YAML → a frozen ``Config``.
+"""gpuhook's configuration: YAML (or NVIDIA's config.toml) → a frozen ``Config``.
 
 Looked up as ``--config FILE``, then ``$GPUHOOK_CONFIG``, then
-``/etc/gpuhook/config.yaml``, else the built-in defaults. A file named
-explicitly must exist; the default path may be absent. Unknown keys are an
-error (a typo must not silently fall back to a default on a root hook).
+``/etc/gpuhook/config.yaml``, then (gpuhook having no config of its own)
+NVIDIA's ``/etc/nvidia-container-runtime/config.toml``, else the built-in
+defaults. A file named explicitly must exist; the default paths may be absent.
+A file whose name ends in ``.toml`` is read as NVIDIA's (``gpuhook.nvidia_config``
+maps its keys). Unknown keys of gpuhook's own are an error (a typo must not
+silently fall back to a default on a root hook).
 
 ``yaml`` is imported only when a file is actually read, so the no-GPU fast
 path never pays for it.
@@ -17,20 +20,26 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from gpuhook.errors import ConfigError
 from gpuhook.hookcall import DEFAULT_STATE_DIR
 from gpuhook.planning.health import HealthPolicy
+from gpuhook.request.model import ALL_CAPABILITIES, Capability
 from gpuhook.sharing.policy import NO_POLICY, Policy, decode_device_file, decode_gpus
+
+if TYPE_CHECKING:  # nvidia_config (and tomllib) are imported only when a config.toml is read
+    from gpuhook.nvidia_config import Notice
 
 # HealthPolicy is defined in core (the planner applies it) and re-exported with the other settings' types.
 __all__ = [
-    "DEFAULT_PATH", "ENV_VAR", "Config", "HealthPolicy", "LogLevel", "load_config", "parse_config", "parse_flat_yaml",
-    "resolve_config_path",
+    "DEFAULT_PATH", "ENV_VAR", "NVIDIA_PATH", "Config", "HealthPolicy", "LoadedConfig", "LogLevel", "Origin",
+    "load_config", "parse_config", "parse_flat_yaml", "read_config", "resolve_config_path",
 ]
 
 DEFAULT_PATH: Final = Path("/etc/gpuhook/config.yaml")
+#: NVIDIA's config, read when gpuhook has none of its own (nvidia-toolkit.md §4.4)
+NVIDIA_PATH: Final = Path("/etc/nvidia-container-runtime/config.toml")
 ENV_VAR: Final = "GPUHOOK_CONFIG"
 
 
@@ -66,6 +75,11 @@ class Config:
     accept_envvar_when_unprivileged: bool = True
     #: NVIDIA's accept-nvidia-visible-devices-as-volume-mounts (device-plugin "volume-mounts")
     accept_volume_mounts: bool = False
+    #: NVIDIA's disable-require: no NVIDIA_REQUIRE_* (nor legacy CUDA_VERSION) check is made
+    disable_require: bool = False
+    #: NVIDIA's supported-driver-capabilities: what a container may get (requests are narrowed to it)
+    #: and what NVIDIA_DRIVER_CAPABILITIES=all means
+    supported_driver_capabilities: frozenset[Capability] = ALL_CAPABILITIES
     #: take the GPUs from ``cdi.k8s.io/*`` annotations naming ``nvidia.com/gpu=…`` (device plugin's
     #: cdi-annotations strategy; the annotations come from the kubelet, not from the image)
     accept_cdi_annotations: bool = False
@@ -105,43 +119,99 @@ _OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir", "state_dir", "device_poli
                                "hpc_job_mapping_dir")
 _BOOL_KEYS: Final = (
     "accept_envvar_when_unprivileged", "accept_volume_mounts", "accept_cdi_annotations", "no_cgroups", "cuda_compat",
-    "load_kmods",
+    "load_kmods", "disable_require",
 )
 #: settings that take one of an enum's values (the YAML holds the value, Config the member)
 _ENUM_KEYS: Final[dict[str, type[enum.StrEnum]]] = {"log_level": LogLevel, "unhealthy_gpus": HealthPolicy}
 
 
-def resolve_config_path(explicit: str | None, env: Mapping[str, str]) -> tuple[Path, bool]:
-    """The file to read and whether it must exist."""
+class Origin(enum.StrEnum):
+    """Where a setting's value came from (``gpuhook config show``)."""
+
+    GPUHOOK = "gpuhook.yaml"
+    NVIDIA = "NVIDIA's config.toml"
+    DEFAULT = "default"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadedConfig:
+    """A Config with what it was read from: the file, each setting's origin, NVIDIA's unmapped keys."""
+
+    config: Config
+    #: the file read; None when there was none (the defaults)
+    path: Path | None = None
+    #: every setting → (Origin, detail: the file's key that set it, or "")
+    origins: Mapping[str, tuple[Origin, str]] = dataclasses.field(default_factory=dict)
+    #: each setting given, as the file spelled it (gpuhook.yaml's types)
+    raw: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    notices: tuple[Notice, ...] = ()
+
+
+def resolve_config_path(explicit: str | None, env: Mapping[str, str], *, default: Path = DEFAULT_PATH,
+                        nvidia: Path = NVIDIA_PATH) -> tuple[Path, bool]:
+    """The file to read and whether it must exist (NVIDIA's file only when *default* is absent)."""
     if explicit:
         return Path(explicit), True
     if env.get(ENV_VAR):
         return Path(env[ENV_VAR]), True
-    return DEFAULT_PATH, False
+    if not default.exists() and nvidia.exists():
+        return nvidia, False
+    return default, False
 
 
 def load_config(path: Path, *, required: bool) -> Config:
     """Read *path*; an absent optional file gives the defaults."""
+    return read_config(path, required=required).config
+
+
+def read_config(path: Path, *, required: bool, nvidia: bool | None = None) -> LoadedConfig:
+    """Read *path*, with each setting's origin: NVIDIA's format when *nvidia* (None: when it ends in ``.toml``)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         if required:
             raise ConfigError(f"config file {path} does not exist") from None
-        return Config()
+        return LoadedConfig(config=Config(), origins=_origins({}))
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot read config file {path}: {err}") from err
-    return parse_config(text, source=str(path))
+    if nvidia or (nvidia is None and path.suffix == ".toml"):
+        from gpuhook.nvidia_config import translate_toml
+
+        found = translate_toml(text, source=str(path))
+        config = build_config(found.settings, source=str(path))
+        origins = {key: (Origin.GPUHOOK if where.startswith("[") else Origin.NVIDIA, where)
+                   for key, where in found.origins.items()}
+        return LoadedConfig(config=config, path=path, origins=_origins(origins), raw=found.settings,
+                            notices=found.notices)
+    data = _parse_yaml(text, str(path))
+    return LoadedConfig(config=build_config(data, source=str(path)), path=path, raw=data,
+                        origins=_origins({key: (Origin.GPUHOOK, key) for key in data}))
+
+
+def _origins(given: Mapping[str, tuple[Origin, str]]) -> dict[str, tuple[Origin, str]]:
+    """Every setting's origin: *given*, else the default."""
+    return {name: given.get(name, (Origin.DEFAULT, "")) for name in _FIELDS}
 
 
 def parse_config(text: str, *, source: str = "<config>") -> Config:
     """Decode YAML text into a Config, refusing unknown keys and wrong types."""
+    return build_config(_parse_yaml(text, source), source=source)
+
+
+def _parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """The YAML document's mapping ({} for an empty one)."""
     data = parse_flat_yaml(text)
     if data is _NOT_FLAT:
         data = _load_yaml(text, source)
     if data is None:
-        return Config()
+        return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def build_config(data: Mapping[str, Any], *, source: str) -> Config:
+    """A Config from settings as gpuhook.yaml spells them, refusing unknown keys and wrong types."""
     unknown = sorted(str(k) for k in data if k not in _FIELDS)
     if unknown:
         raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
@@ -259,10 +329,28 @@ def _convert(key: str, value: Any, source: str) -> Any:
         return kind(value)
     if key == "gpus":
         return decode_gpus(value, source=source)
-    return {"metrics_listen": _listen_address, "timeout_seconds": _seconds}[key](value, where)
+    convert = {"metrics_listen": _listen_address, "timeout_seconds": _seconds,
+               "supported_driver_capabilities": _capability_set}
+    return convert[key](value, where)
 
 
 def _seconds(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 600:
         raise ConfigError(f"{where} must be a number of seconds in (0, 600], got {value!r}")
     return float(value)
+
+
+def _capability_set(value: Any, where: str) -> frozenset[Capability]:
+    """A list of capability names or NVIDIA's comma-separated string; ``all`` is every one."""
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else value
+    known = ", ".join(c.value for c in Capability)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{where} must be a list of capability names ({known}, or all) or a comma-separated "
+                          f"string of them, got {value!r}")
+    names = [n for n in names if n]
+    if "all" in names:
+        return ALL_CAPABILITIES
+    wrong = [n for n in names if n not in known.split(", ")]
+    if wrong:
+        raise ConfigError(f"{where}: unknown capability {wrong[0]!r}; expected names from {known}, or all")
+    return frozenset(Capability(n) for n in names)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Iterable
+import tomllib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -166,3 +167,106 @@ def gpuhookd_check(path: str, *, served: str | None, version: str, why: str = ""
                      f"request until restarted, and each GPU container start pays {_IMPORT_COST} meanwhile",
                      fix="systemctl restart gpuhookd.service")
     return Check(name="gpuhookd", verdict=Verdict.OK, message=f"gpuhookd {served} serves {path}")
+
+
+def nvidia_config_check(path: str, *, read: bool, warnings: Sequence[str], notes: int) -> Check:
+    """NVIDIA's config.toml: the keys gpuhook cannot act on (*warnings*: their lines), or that it is not read."""
+    name = "nvidia-config"
+    if not read:
+        return Check(name=name, verdict=Verdict.NOTE, message=(
+            f"{path} exists but gpuhook reads its own configuration, not this file"),
+            fix=f"`gpuhook config import --from {path} --dry-run` shows what it sets, in gpuhook.yaml's terms")
+    also = f"; {notes} more at NVIDIA's default (nothing lost)" if notes else ""
+    if not warnings:
+        return Check(name=name, verdict=Verdict.OK, message=f"{path}: no key of it is lost{also}")
+    listed = "".join(f"\n         {line}" for line in warnings)
+    return Check(name=name, verdict=Verdict.WARN, message=(
+        f"{path}: {len(warnings)} key(s) have no gpuhook effect{also}:{listed}"),
+        fix="remove them, or set their gpuhook equivalent (`gpuhook config show`, `gpuhook config import`)")
+
+
+# --- does each engine really see gpuhook (facts gathered by cli/enginecheck.py) -------------------------------
+
+#: Where containerd's CRI plugin keeps its runtime handlers: 1.x (config version 2) and 2.x (version 3).
+_CRI_RUNTIMES = (("io.containerd.grpc.v1.cri", "containerd", "runtimes"),
+                 ("io.containerd.cri.v1.runtime", "containerd", "runtimes"))
+
+
+def containerd_runtimes(dump: str) -> dict[str, str]:
+    """Runtime handler name → its BinaryName ('' for none), from ``containerd config dump``; raises ValueError."""
+    plugins = tomllib.loads(dump).get("plugins", {})
+    found: dict[str, str] = {}
+    for keys in _CRI_RUNTIMES:
+        table: Any = plugins
+        for key in keys:
+            table = table.get(key, {}) if isinstance(table, dict) else {}
+        for name, runtime in (table.items() if isinstance(table, dict) else ()):
+            options = runtime.get("options", {}) if isinstance(runtime, dict) else {}
+            binary = options.get("BinaryName", "") if isinstance(options, dict) else ""
+            found[str(name)] = binary if isinstance(binary, str) else ""
+    return found
+
+
+def docker_runtimes(text: str) -> dict[str, str]:
+    """Runtime name → path, from ``docker info --format '{{json .Runtimes}}'`` or daemon.json (its "runtimes");
+    raises ValueError."""
+    data = json.loads(text) if text.strip() else {}
+    if not isinstance(data, dict):
+        raise ValueError("expected a JSON object")
+    runtimes = data.get("runtimes", {}) if "runtimes" in data and isinstance(data.get("runtimes"), dict) else data
+    return {str(name): str(entry.get("path", "")) for name, entry in runtimes.items() if isinstance(entry, dict)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineView:
+    """What one engine on this host sees of gpuhook, and where that was read."""
+
+    engine: str
+    installed: bool
+    #: runtime handlers (or hooks.d files) the engine has that run gpuhook
+    handlers: tuple[str, ...] = ()
+    #: where the engine was asked ("containerd config dump", "docker info", a file)
+    source: str = ""
+    #: why the engine could not be asked ('' when it answered)
+    error: str = ""
+    #: handlers written in the engine's config that the running engine has not loaded yet
+    pending: tuple[str, ...] = ()
+    #: gpuhook's files the engine reads that differ from what `gpuhook install` writes
+    differs: tuple[str, ...] = ()
+
+
+_RESTARTS = {"docker": "systemctl restart docker", "containerd": "systemctl restart containerd",
+             "crio": "systemctl restart crio"}
+
+
+def registration_checks(views: Iterable[EngineView]) -> tuple[Check, ...]:
+    """One check per installed engine (ok / not registered, with the command / could not ask), and one line
+    for the engines that are not installed."""
+    out, absent = [], []
+    for view in views:
+        name = f"engine {view.engine}"
+        install = f"gpuhook install --runtime {view.engine} (add --dry-run to see the change first)"
+        if not view.installed:
+            absent.append(view.engine)
+        elif view.error:
+            out.append(Check(name=name, verdict=Verdict.WARN, message=f"could not ask {view.engine}: {view.error}",
+                             fix=f"check {view.engine}'s configuration, then run gpuhook doctor again"))
+        elif view.pending and not view.handlers:
+            out.append(Check(name=name, verdict=Verdict.WARN, message=(
+                f"runtime {', '.join(view.pending)} is in {view.engine}'s config but {view.source} does not list it: "
+                f"{view.engine} was not restarted since"), fix=_RESTARTS.get(view.engine, f"restart {view.engine}")))
+        elif view.differs and not view.handlers:
+            out.append(Check(name=name, verdict=Verdict.WARN, message=(
+                f"{', '.join(view.differs)} differ from what `gpuhook install` writes: {view.engine} runs something "
+                "else for gpuhook"), fix=install))
+        elif view.handlers:
+            out.append(Check(name=name, verdict=Verdict.OK,
+                             message=f"{view.source} runs gpuhook: {', '.join(view.handlers)}"))
+        else:
+            out.append(Check(name=name, verdict=Verdict.WARN,
+                             message=f"gpuhook is not registered ({view.source} shows no runtime or hook of gpuhook's)",
+                             fix=install))
+    if absent:
+        out.append(Check(name="engines", verdict=Verdict.OK,
+                         message=f"not installed (not checked): {', '.join(absent)}"))
+    return tuple(out)

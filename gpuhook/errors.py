@@ -94,6 +94,14 @@ class DiscoveryError(GpuHookError):
     """The host's driver could not be inventoried."""
 
 
+class MissingNodeError(DiscoveryError):
+    """A device node the start needs is missing; *modprobe* is the nvidia-modprobe argv that creates it."""
+
+    def __init__(self, message: str, modprobe: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.modprobe = modprobe
+
+
 class ProvisionError(GpuHookError):
     """A host-side change for a container (a MIG instance made or destroyed) failed."""
 

@@ -216,6 +216,7 @@ def read_hook_call(args: HookArgs, env: Mapping[str, str], state_bytes: bytes, *
 DEFAULT_STATE_DIR = "/run/gpuhook"
 LEDGER_NAME = "leases.json"
 _DEFAULT_CONFIG = "/etc/gpuhook/config.yaml"
+_NVIDIA_CONFIG = "/etc/nvidia-container-runtime/config.toml"  # config.NVIDIA_PATH
 _SAFE_ID = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 _MAY = True  # the full path decides
 
@@ -235,6 +236,8 @@ def lease_may_exist(config_arg: str | None, env: Mapping[str, str], container_id
     path = config_arg or env.get("GPUHOOK_CONFIG") or _DEFAULT_CONFIG
     # A named config must exist (the full load says so); the default one may be absent.
     text = _read_small(path, b"" if path == _DEFAULT_CONFIG else None)
+    if path == _DEFAULT_CONFIG and text == b"":  # gpuhook has none of its own: NVIDIA's may be the config
+        text = _read_small(_NVIDIA_CONFIG, b"")
     state_dir = _flat_state_dir(text) if text is not None else None
     if state_dir is None:
         return _MAY

@@ -24,17 +24,17 @@ import dataclasses
 import os
 import resource
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpuhook import catalog
 from gpuhook.apply import ChildForkedAhead, ContainerRef, change_rootfs, grant_device_access, opened_container
-from gpuhook.config import Config, HealthPolicy, load_config, resolve_config_path
+from gpuhook.config import Config, HealthPolicy, load_config, read_config, resolve_config_path
 from gpuhook.discovery import Found, Outcome, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
-from gpuhook.errors import DiscoveryError, GpuHookError, PolicyError, SpecError, StateError
+from gpuhook.errors import DiscoveryError, GpuHookError, MissingNodeError, PolicyError, SpecError, StateError
 from gpuhook.inventory import DriverFile, Gpu, Inventory, LiveFacts, LiveNeeds, narrow_to_live
 from gpuhook.provision import leases, ledger_store
 from gpuhook.log import configure_logging, get_logger
@@ -49,6 +49,9 @@ from gpuhook.sharing.allocate import Allocation, allocate
 from gpuhook.sharing.ledger import Holder, Lease, Ledger, MigRecord, MpsDaemon
 from gpuhook.sharing.mig import mode_may_be_stale
 from gpuhook.sharing.policy import GpuPolicy, Sharing, client_limits
+
+#: what a plan function returns (_creating_nodes)
+P = TypeVar("P")
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -91,8 +94,11 @@ class Placement:
 def load_settings(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> Config:
     """Load the config and set up logging (debug forces the debug level): every front-end's first step."""
     path, required = resolve_config_path(config_arg, env)
-    config = load_config(path, required=required)
+    loaded = read_config(path, required=required)
+    config = loaded.config
     configure_logging(config.log_file, "debug" if debug else config.log_level.value)
+    for notice in loaded.notices:  # `gpuhook doctor` and `config import` show them; a start only at debug
+        get_logger().debug("nvidia_config_key_ignored", file=str(path), key=notice.key, reason=notice.reason)
     return config
 
 
@@ -119,7 +125,9 @@ def start_hook(config: Config, state_obj: Mapping[str, Any], spec_obj: Mapping[s
         raise SpecError(
             f"the OCI state's pid is {state.pid}, not a host pid; run gpuhook as a prestart or createRuntime hook"
         )
-    _log_request(request, **({"daemon": daemon_note} if daemon_note else {}))
+    if daemon_note:  # why the hook did the work itself: on every later event, the summary included
+        log.bind(daemon=daemon_note)
+    _log_request(request)
     start(config, request, Container(id=state.id, pid=state.pid, rootfs=spec.rootfs),
           runtime_devices=spec.runtime_devices, started=started, ahead=ahead)
 
@@ -150,13 +158,16 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
         if reserved.made or live_needs(request, target) != live_needs(reserved.asked, target):
             # instances were made, or the allocation named MIG devices: their nodes and layout are read now
             found = inventory_for(config, live_needs(request, target), recorded=_recorded(config))
-            inventory = found.inventory
-        live = found.live if reserved.mps is None else _with_mps(found.live, reserved.mps)
-        plan = make_plan(request, inventory, live, target)
+        step = time.monotonic()
+        plan = _creating_nodes(config, found, lambda: inventory_for(config, live_needs(request, target),
+                                                                     recorded=_recorded(config)),
+                               lambda f: make_plan(request, f.inventory, _with_mps(f.live, reserved.mps), target))
+        profile = {"plan": _ms(step)}
         _log_plan(plan)
         step = time.monotonic()
         if (ungrant := grant_device_access(plan, ref.pid)) is not None:
             undo.callback(ungrant)
+        profile["cgroup"] = _ms(step)
         report = change_rootfs(plan, pidfd, ref, ldconfig=config.ldconfig, timeout=config.timeout_seconds,
                                ahead=ahead)
         if holder is not None and config.state_dir is not None:
@@ -164,8 +175,13 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
         undo.pop_all()  # the start holds: keep every effect
     for what in report.skipped:
         log.warning("apply_skipped", what=what)
+    for what in report.notes:
+        log.debug("apply_note", what=what)
+    # The start's one info line (its steps are logged at debug): what it gave and how long it took.
     # Peak memory of this process (the hook, or gpuhookd's worker); the apply child is not counted.
-    log.info("applied", ms=_ms(step), total_ms=_ms(started),
+    # steps_ms: the profile `make bench` prints (plan, device cgroup, then the apply child's steps)
+    log.info("applied", gpus=list(plan.gpus), ms=_ms(step), total_ms=_ms(started),
+             steps_ms={**profile, **dict(report.steps_ms)},
              peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
 
 
@@ -341,8 +357,10 @@ def _mps_daemon(config: Config, inventory: Inventory, policies: Mapping[int, Gpu
     return daemon
 
 
-def _with_mps(live: LiveFacts, daemon: MpsDaemon) -> LiveFacts:
+def _with_mps(live: LiveFacts, daemon: MpsDaemon | None) -> LiveFacts:
     """*live* with *daemon*'s pipes (where CUDA looks by default) and shared memory in place of the host's."""
+    if daemon is None:
+        return live
     pipe = DriverFile(name=catalog.MPS_PIPE_DIRECTORY, host_path=Path(daemon.pipe_dir))
     return dataclasses.replace(live, mps_pipe=pipe, mps_shm=DriverFile(name="/dev/shm", host_path=Path(daemon.shm_dir)))
 
@@ -577,8 +595,35 @@ def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec, *
     found = inventory_for(config, live_needs(request))
     if not hook_follows:
         _refuse_unleased(config, request, found.inventory)
-    device_plan = plan_devices(request, found.inventory, found.live)
+    device_plan = _creating_nodes(config, found, lambda: inventory_for(config, live_needs(request)),
+                                  lambda f: plan_devices(request, f.inventory, f.live))
     return add_devices(raw, device_plan.devices, env=_mps_env(config, found.inventory, device_plan.gpus))
+
+
+def _creating_nodes(config: Config, found: Found, rediscover: Callable[[], Found], plan: Callable[[Found], P]) -> P:
+    """``plan(found)``; with load_kmods, each device node it finds missing is made first (nvidia-modprobe,
+    as NVIDIA's load-kmods), then the host is read again and the plan made again."""
+    from gpuhook.discovery.host import driver_program
+    from gpuhook.provision import kmods
+
+    tried: set[tuple[str, ...]] = set()
+    while True:
+        try:
+            return plan(found)
+        except MissingNodeError as missing:
+            if not config.load_kmods:
+                raise MissingNodeError(f"{missing} (load_kmods is off)", missing.modprobe) from None
+            if missing.modprobe in tried:
+                raise
+            modprobe = driver_program(config.driver_root, "nvidia-modprobe")
+            if modprobe is None:
+                raise MissingNodeError(f"{missing}; load_kmods would, but the driver root {config.driver_root} has "
+                                       "no nvidia-modprobe (install it with the driver)", missing.modprobe) from None
+            step = time.monotonic()
+            kmods.create_node(modprobe, missing.modprobe, timeout=config.timeout_seconds)
+            get_logger().info("node_created", command=" ".join((str(modprobe), *missing.modprobe)), ms=_ms(step))
+            tried.add(missing.modprobe)
+            found = rediscover()
 
 
 def _mps_env(config: Config, inventory: Inventory, gpus: Sequence[Gpu]) -> tuple[tuple[str, str], ...]:
@@ -654,6 +699,8 @@ def request_for(spec: BundleSpec, config: Config) -> GpuRequest | None:
         accept_envvar_when_unprivileged=config.accept_envvar_when_unprivileged,
         accept_volume_mounts=config.accept_volume_mounts,
         accept_cdi_annotations=config.accept_cdi_annotations,
+        supported_capabilities=config.supported_driver_capabilities,
+        disable_require=config.disable_require,
     )
 
 
@@ -675,15 +722,15 @@ def _target(rootfs: Path, config: Config, placement: Placement,
 
 
 def _log_request(request: GpuRequest, **extra: Any) -> None:
-    get_logger().info("request_parsed", source=request.source, devices=request.raw,
-                      capabilities=sorted(request.capabilities),
-                      requirements=[str(r) for r in request.requirements], **extra)
+    get_logger().debug("request_parsed", source=request.source, devices=request.raw,
+                       capabilities=sorted(request.capabilities),
+                       requirements=[str(r) for r in request.requirements], **extra)
 
 
 def _log_plan(plan: Plan) -> None:
     log = get_logger()
-    log.info("plan_built", gpus=list(plan.gpus), devices=len(plan.devices), mounts=len(plan.mounts),
-             cgroup_rules=len(plan.cgroup_rules))
+    log.debug("plan_built", gpus=list(plan.gpus), devices=len(plan.devices), mounts=len(plan.mounts),
+              cgroup_rules=len(plan.cgroup_rules))
     for skipped in plan.skipped:
         log.debug("skipped", what=skipped.what, reason=skipped.reason)
     for warning in plan.warnings:

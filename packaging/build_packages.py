@@ -19,7 +19,9 @@ The install design (see packaging/nfpm.yaml):
 The launchers in ``/usr/lib/gpuhook/bin`` are three-line ``#!/usr/lib/gpuhook/bin/python -I``
 scripts (like packaging/gpuhook-hook), and ``/usr/bin``'s commands are symlinks to them. Beside
 them, ``gpuhook-relay`` (relay/gpuhook-relay.c, statically linked) is the hook hooks.d runs, and
-``libexec/nvidia-container-runtime-hook`` (the same program) the one /usr/bin's NVIDIA name links to.
+``libexec/nvidia-container-runtime-hook`` (the same program) the one /usr/bin's NVIDIA name links to;
+``libexec/gpuhook-runtime`` (relay/gpuhook-runtime.c) is the runc wrapper /usr/bin's gpuhook-runtime
+and nvidia-container-runtime link to.
 """
 
 from __future__ import annotations
@@ -45,15 +47,16 @@ CONSOLE_SCRIPTS = {
     "nvidia-container-toolkit": "gpuhook.cli.entry:nvidia_hook",
     "gpuhook-runtime": "gpuhook.cli.entry:runtime",
     "nvidia-container-cli": "gpuhook.cli.entry:nvidia_cli",
+    "nvidia-ctk": "gpuhook.cli.entry:nvidia_ctk",
 }
-#: the commands in /usr/bin (symlinks into PREFIX/bin), and the ones that get a man page.
-USR_BIN = ("gpuhook", "nvidia-container-runtime-hook", "nvidia-container-toolkit", "nvidia-container-cli",
-           "gpuhook-runtime")
-MAN_PAGES = {
-    "gpuhook": "an OCI hook that gives containers NVIDIA GPUs",
+#: the hand-written pages in packaging/man (tests/unit/test_man_pages.py checks them against the parsers
+#: and Config), installed gzip'd into man1, man5, man8 by their suffix.
+MAN_SOURCES = ("gpuhook.1", "gpuhook.yaml.5", "gpuhookd.8", "gpuhook-runtime.1", "nvidia-ctk.1")
+#: NVIDIA's command names whose --help is their whole interface (Go-flag and nvidia-container-cli argv):
+#: a page made from it, so ``man nvidia-container-cli`` still answers after switching.
+HELP_PAGES = {
     "nvidia-container-runtime-hook": "gpuhook under NVIDIA's hook name and flags",
     "nvidia-container-cli": "gpuhook's front-end for NVIDIA's nvidia-container-cli argv",
-    "gpuhook-runtime": "a runc wrapper that writes the requested GPU devices into the spec",
 }
 # Deterministic archives: every generated file gets this mtime (SOURCE_DATE_EPOCH if set).
 EPOCH = int(os.environ.get("SOURCE_DATE_EPOCH", "1700000000"))
@@ -111,6 +114,9 @@ def build_venv(stage: Path) -> Path:
     run(REPO / "relay" / "build.sh", bin_dir / "gpuhook-relay")
     (venv / "libexec").mkdir()
     shutil.copy2(bin_dir / "gpuhook-relay", venv / "libexec" / "nvidia-container-runtime-hook")
+    # The runc wrapper's front-end (/usr/bin/gpuhook-runtime and nvidia-container-runtime link to it):
+    # runc's calls but a GPU container's create start no interpreter either.
+    run(REPO / "relay" / "build.sh", venv / "libexec" / "gpuhook-runtime", "gpuhook-runtime")
     for path in bin_dir.iterdir():
         if not path.is_symlink():
             path.chmod(0o755)
@@ -155,14 +161,15 @@ def man_page(stage: Path, name: str, summary: str, ver: str) -> None:
             ".SH FILES\n/etc/gpuhook/config.yaml, /usr/share/containers/oci/hooks.d/gpuhook.json,\n"
             "/usr/share/containers/oci/hooks.d/gpuhook-poststop.json,\n"
             "/var/log/gpuhook.log, /run/gpuhook, /run/gpuhook/gpuhookd.sock (gpuhookd.socket, gpuhookd.service)\n"
-            ".SH SEE ALSO\n/usr/share/doc/gpuhook/README.md\n")
+            ".SH SEE ALSO\n.BR gpuhook (1),\n.BR gpuhook.yaml (5),\n.BR gpuhookd (8),\n"
+            "/usr/share/doc/gpuhook/README.md\n")
     target = stage / "usr/share/man/man1" / f"{name}.1.gz"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(gzip.compress(roff.encode(), mtime=EPOCH))
 
 
 def stage_docs(stage: Path, ver: str) -> None:
-    """README, changelog, copyright, man pages."""
+    """README, changelog, copyright, man pages (packaging/man's, and --help's for NVIDIA's names)."""
     doc = stage / "usr/share/doc/gpuhook"
     doc.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(REPO / "README.md", doc / "README.md")
@@ -171,8 +178,12 @@ def stage_docs(stage: Path, ver: str) -> None:
         "Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\n"
         "Upstream-Name: gpuhook\n\nFiles: *\nLicense: Apache-2.0\n"
         " On Debian systems the full text is in /usr/share/common-licenses/Apache-2.0.\n")
-    for name, summary in MAN_PAGES.items():
+    for name, summary in HELP_PAGES.items():
         man_page(stage, name, summary, ver)
+    for source in MAN_SOURCES:
+        target = stage / f"usr/share/man/man{source.rsplit('.', 1)[1]}" / f"{source}.gz"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(gzip.compress((PACKAGING / "man" / source).read_bytes(), mtime=EPOCH))
 
 
 def render_config(out_dir: Path, stage: Path, ver: str) -> Path:

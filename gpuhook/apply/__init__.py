@@ -55,6 +55,9 @@ class ApplyReport:
     """What the privileged step did not do, and why (data, logged by the caller), and what each step took."""
 
     skipped: tuple[str, ...] = ()
+    #: what was left as the image has it, which is no problem (an image's own link, its older compat
+    #: libraries): logged at debug, since most starts have some
+    notes: tuple[str, ...] = ()
     #: (step, milliseconds) in the child, in order: open (host sources, the container's root), nodes,
     #: mounts, symlinks, proc (/proc/driver/nvidia), ldconfig (the profile `make bench` prints)
     steps_ms: tuple[tuple[str, float], ...] = ()
@@ -233,7 +236,8 @@ def _collect(child: int, read_fd: int, container: ContainerRef, timeout: float) 
         report = {"error": ApplyError("apply", str(rootfs), detail=f"garbled report {raw[:200]!r}").to_dict()}
     if "error" in report:
         raise error_from_dict(report["error"])
-    return ApplyReport(skipped=tuple(report["skipped"]), steps_ms=tuple(report.get("steps_ms", {}).items()))
+    return ApplyReport(skipped=tuple(report["skipped"]), notes=tuple(report.get("notes", ())),
+                       steps_ms=tuple(report.get("steps_ms", {}).items()))
 
 
 def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ahead: ChildAhead | None,
@@ -270,9 +274,10 @@ def _child_main(
             for fd in view:
                 os.close(fd)
         steps: dict[str, float] = {}
+        notes: list[str] = []
         fs, skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, ldconfig_ahead,
-                                          channel.fileno(), steps)
-        report: dict[str, object] = {"skipped": skipped, "steps_ms": steps}
+                                          channel.fileno(), steps, notes)
+        report: dict[str, object] = {"skipped": skipped, "notes": notes, "steps_ms": steps}
         status = 0
     except ApplyError as err:
         report = {"error": err.to_dict()}
@@ -314,11 +319,11 @@ def _hold(fs: RootFs, channel: _socket.socket, deadline: float) -> bool:
 
 def _apply_in_container(
     plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, ldconfig_ahead: ChildAhead | None,
-    abort_fd: int, steps: dict[str, float],
+    abort_fd: int, steps: dict[str, float], notes: list[str],
 ) -> tuple[RootFs, list[str]]:
     """Open host sources, enter the container, make every change; undo all on failure. *abort_fd*:
     the channel to the parent, whose closing stops a running ldconfig; *steps*: filled with each
-    step's milliseconds."""
+    step's milliseconds; *notes*: filled with what was left as the image has it (no problem)."""
     clock = [time.monotonic()]
 
     def done(step: str) -> None:
@@ -349,14 +354,14 @@ def _apply_in_container(
         for link in plan.symlinks:
             with _step("symlink", link.path):
                 if not fs.symlink(link.path, link.target):
-                    skipped.append(f"{link.path}: already exists in the image")
+                    notes.append(f"{link.path}: already exists in the image")
         done("symlinks")
         if plan.proc_driver is not None:
             with _step("mount tmpfs", plan.proc_driver.target):
                 if not _mask_proc_driver(fs, plan.proc_driver, proc_trees):
                     skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
         done("proc")
-        dirs = _compat_first(fs, plan, skipped)
+        dirs = _compat_first(fs, plan, notes)
         if dirs and ldconfig_fd is not None:
             with _step("save", LD_SO_CACHE):
                 # ldconfig replaces the cache (through a temporary beside it): an undo puts the image's back.
@@ -391,9 +396,10 @@ def _library_dirs(plan: Plan) -> dict[str, tuple[str, ...]]:
     return {d: tuple(sorted(p)) for d, p in found.items()}
 
 
-def _compat_first(fs: RootFs, plan: Plan, skipped: list[str]) -> tuple[str, ...]:
+def _compat_first(fs: RootFs, plan: Plan, notes: list[str]) -> tuple[str, ...]:
     """ldconfig's directories: the image's compat directory first when it applies; when it does not,
-    the configuration an earlier start wrote for it (before a host driver upgrade) is taken back."""
+    the configuration an earlier start wrote for it (before a host driver upgrade) is taken back.
+    An image whose compat libraries are not newer than the host's is the usual case, a note."""
     dirs = plan.ldconfig.dirs if plan.ldconfig is not None else ()
     if plan.cuda_compat is not None:
         with _step("cuda compat", plan.cuda_compat.directory):
@@ -401,7 +407,7 @@ def _compat_first(fs: RootFs, plan: Plan, skipped: list[str]) -> tuple[str, ...]
         if use:
             return (plan.cuda_compat.directory, *dirs)
         if note:
-            skipped.append(note)
+            notes.append(note)
     with _step("cuda compat", COMPAT_CONF):
         fs.remove_if(COMPAT_CONF, _COMPAT_CONF_MAX, lambda text: _COMPAT_CONF_OURS.fullmatch(text) is not None)
     return dirs

@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = Parser(prog="gpuhook", description="OCI hook that gives containers NVIDIA GPUs.")
     parser.add_argument(
-        "--config", metavar="FILE", help="config file (default: $GPUHOOK_CONFIG, then /etc/gpuhook/config.yaml)"
+        "--config", metavar="FILE", help="config file (default: $GPUHOOK_CONFIG, then /etc/gpuhook/config.yaml, then "
+        "NVIDIA's /etc/nvidia-container-runtime/config.toml); a .toml file is read as NVIDIA's"
     )
     parser.add_argument("--debug", action="store_true", help="log at debug level")
     parser.add_argument("--daemon-socket", metavar="PATH",
@@ -87,16 +88,31 @@ def _parser() -> argparse.ArgumentParser:
     cdi_hook = commands.add_parser("cdi-hook").add_subparsers(dest="hook_command", required=True)
     ldcache = cdi_hook.add_parser("update-ldcache")
     ldcache.add_argument("--folder", action="append", required=True, help="a library dir in the container")
+    _add_config_parser(commands)
     install = commands.add_parser("install", help="register gpuhook with a container engine (says what to restart)")
     install.add_argument("--runtime", required=True, choices=("docker", "containerd", "podman", "crio"))
     install.add_argument("--dry-run", action="store_true", help="print the changes (a diff) and change nothing")
     install.add_argument("--root", default="/", help="the host's root (a mounted host filesystem, in an installer)")
     install.add_argument("--bin-dir", help="where gpuhook's executables are (default: this interpreter's bin dir)")
-    install.add_argument("--name", default="gpuhook",
-                         help="docker/containerd: the runtime's name (default gpuhook; nvidia keeps --runtime nvidia)")
+    install.add_argument("--name", help="docker/containerd/crio: the runtime handler's name (default gpuhook; "
+                         "nvidia keeps --runtime nvidia and RuntimeClass nvidia); crio: a handler, not hooks.d")
     install.add_argument("--set-as-default", action="store_true",
-                         help="docker/containerd: make it the default runtime, for every container")
+                         help="docker/containerd/crio: make it the default runtime, for every container")
     return parser
+
+
+def _add_config_parser(commands: Any) -> None:
+    """``gpuhook config show`` and ``gpuhook config import [--from PATH] [--output PATH] [--dry-run] [--force]``."""
+    config = commands.add_parser("config", help="the effective configuration; NVIDIA's config.toml as gpuhook.yaml")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="CONFIG_COMMAND")
+    config_commands.add_parser("show", help="print every setting as gpuhook.yaml text, with where it came from")
+    config_import = config_commands.add_parser(
+        "import", help="write NVIDIA's config.toml as the equivalent gpuhook.yaml (warns about unmapped keys)")
+    config_import.add_argument("--from", dest="source", metavar="PATH",
+                               help="NVIDIA's config (default /etc/nvidia-container-runtime/config.toml)")
+    config_import.add_argument("--output", metavar="PATH", help="where to write (default /etc/gpuhook/config.yaml)")
+    config_import.add_argument("--dry-run", action="store_true", help="print the gpuhook.yaml, write nothing")
+    config_import.add_argument("--force", action="store_true", help="replace an existing, different --output")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -147,7 +163,7 @@ def exit_now(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
+def _run_command(args: Any) -> int:  # noqa: PLR0911, PLR0912 - one return (one case) per command
     """The commands people run by hand (each imports its module only when used)."""
     env, config, debug = os.environ, args.config, args.debug
     match args.command:
@@ -186,6 +202,10 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911 - one return per command
             bin_dir = Path(args.bin_dir) if args.bin_dir else Path(sys.executable).parent
             return run_install(args.runtime, dry_run=args.dry_run, root=Path(args.root), bin_dir=bin_dir,
                                python=sys.executable, name=args.name, default=args.set_as_default)
+        case "config":
+            from gpuhook.cli.configcmd import run_config
+
+            return run_config(args, env)
         case "status":
             from gpuhook.cli import status
 

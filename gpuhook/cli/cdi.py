@@ -77,7 +77,21 @@ def run_update_ldcache(config_arg: str | None, debug: bool, stdin_fd: int, env: 
 def _write_atomically(path: Path, text: str) -> None:
     """Write via a temporary file in the same directory and rename: a watching runtime never reads half a spec."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_parents(path)
         files.replace_file(path, text.encode(), mode=0o644)
     except OSError as err:
         raise ConfigError(f"cannot write the CDI spec {path}: {err.strerror or err}") from err
+
+
+def _make_parents(path: Path) -> None:
+    """Create the missing directories above *path* with mode 0755 whatever the umask: /var/run/cdi is on a
+    tmpfs, gone after each boot, and every engine (running as another user, for rootless podman) must read it."""
+    missing = [d for d in (path.parent, *path.parent.parents) if not d.is_dir()]
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o755)
+        except FileExistsError:
+            if not directory.is_dir():
+                raise
+            continue  # made meanwhile (another generate at boot): its mode is its maker's
+        directory.chmod(0o755)  # mkdir's mode is masked by the umask

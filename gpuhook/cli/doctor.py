@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,7 +11,6 @@ from gpuhook import service
 from gpuhook.config import Config
 from gpuhook.daemon import client
 from gpuhook.daemon.wire import DEFAULT_SOCKET
-from gpuhook.cli.runtime import RUNTIME_PATH
 from gpuhook.doctor import (
     Check,
     Verdict,
@@ -20,11 +18,10 @@ from gpuhook.doctor import (
     cgroup_checks,
     cgroup_driver,
     cgroup_mode,
-    engine_checks,
     gpuhookd_check,
+    nvidia_config_check,
     persistence_check,
 )
-from gpuhook.install import changes
 from gpuhook.errors import GpuHookError
 from gpuhook.sys.mountinfo import MountInfo, read_mountinfo
 
@@ -78,20 +75,12 @@ def _leases_check(config: Config) -> Check:
         f"{limited} of {len(report.policies)} GPU(s) with a sharing limit ({config.gpus.source})"))
 
 
-_ENGINE_BINARIES = {"docker": "dockerd", "containerd": "containerd", "podman": "podman", "crio": "crio"}
-
-
 def _engines() -> tuple[Check, ...]:
-    """Which engines are installed (on the standard PATH) and whether `gpuhook install` has registered them."""
-    installed = {e: shutil.which(b, path=RUNTIME_PATH) is not None for e, b in _ENGINE_BINARIES.items()}
-    registered = {
-        # Registered when the files `gpuhook install` writes are there (whatever prefix they point at);
-        # for docker either form counts: the --gpus hook name or the "gpuhook" runtime in daemon.json.
-        engine: any(Path(c.path).exists() for c in changes(engine, bin_dir="", current={}))
-        if engine == "docker" else all(Path(c.path).exists() for c in changes(engine, bin_dir="", current={}))
-        for engine in installed
-    }
-    return engine_checks(installed, registered)
+    """Whether each installed engine really sees gpuhook (asked the engine's way: cli/enginecheck.py)."""
+    from gpuhook.cli.enginecheck import engine_views
+    from gpuhook.doctor import registration_checks
+
+    return registration_checks(engine_views(Path(sys.executable).parent))
 
 
 CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
@@ -124,6 +113,19 @@ def _cdi(config_arg: str | None, config: Config, env: Mapping[str, str]) -> tupl
     return cdi_checks(found, fresh)
 
 
+def _nvidia_config(config_arg: str | None, env: Mapping[str, str]) -> tuple[Check, ...]:
+    """NVIDIA's config.toml, when gpuhook reads it (its unmapped keys) or when it lies unread beside gpuhook's."""
+    from gpuhook.config import NVIDIA_PATH, read_config, resolve_config_path
+
+    path, required = resolve_config_path(config_arg, env)
+    if path.suffix != ".toml":
+        unread = NVIDIA_PATH.exists()
+        return (nvidia_config_check(str(NVIDIA_PATH), read=False, warnings=(), notes=0),) if unread else ()
+    notices = read_config(path, required=required).notices  # it loaded once already (load_settings)
+    return (nvidia_config_check(str(path), read=True, warnings=[n.render() for n in notices if n.lost],
+                                notes=sum(not n.lost for n in notices)),)
+
+
 def daemon_check(socket_path: str) -> Check:
     """Does a gpuhookd of this version answer a ping on *socket_path*?"""
     try:
@@ -147,7 +149,8 @@ def run_doctor(config_arg: str | None, debug: bool, env: Mapping[str, str], *,
     driver = cgroup_driver(pid1=(_read("/proc/1/comm") or "").strip(), mode=mode,
                            docker_daemon_json=_read("/etc/docker/daemon.json"),
                            containerd_toml=_read("/etc/containerd/config.toml"))
-    checks = (*_driver_checks(config), _ldconfig_check(config), _leases_check(config), *cgroup_checks(mode, driver),
+    checks = (*_nvidia_config(config_arg, env), *_driver_checks(config), _ldconfig_check(config), _leases_check(config),
+              *cgroup_checks(mode, driver),
               *_engines(),
               *_cdi(config_arg, config, env), daemon_check(daemon_socket))
     sys.stdout.write("".join(check.render() + "\n" for check in checks))

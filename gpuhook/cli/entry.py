@@ -33,3 +33,10 @@ def nvidia_cli() -> NoReturn:
     from gpuhook.cli import nvcli
 
     exit_now(nvcli.main())
+
+
+def nvidia_ctk() -> NoReturn:
+    """``nvidia-ctk``."""
+    from gpuhook.cli import nvctk
+
+    exit_now(nvctk.main())

@@ -120,6 +120,12 @@ def _driver_libraries(index: dict[str, Path], version: str) -> tuple[DriverFile,
     return tuple(DriverFile(name=name, host_path=path) for name, path in sorted(files.items()))
 
 
+def driver_program(driver_root: Path, name: str) -> Path | None:
+    """A program of the driver root that gpuhook runs on the host (nvidia-modprobe), or None."""
+    found = _binary(HostRoot(driver_root), name)
+    return found.host_path if found is not None else None
+
+
 def _binary(root: HostRoot, name: str) -> DriverFile | None:
     """The first regular file *name* in the root's binary dirs."""
     for directory in BINARY_DIRS:

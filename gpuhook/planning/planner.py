@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from gpuhook import catalog
-from gpuhook.errors import DiscoveryError, RequestError
+from gpuhook.errors import DiscoveryError, MissingNodeError, RequestError
 from gpuhook.inventory import DriverFile, Gpu, HostDevice, Inventory, LiveFacts, LiveNeeds, MigDevice, narrow_to_live
 from gpuhook.planning.paths import BIN_DIR, container_path
 from gpuhook.planning.plan import (
@@ -107,11 +107,11 @@ def _mig_caps(inventory: Inventory, live: LiveFacts, migs: tuple[MigDevice, ...]
             minor = minors.get(cap)
             node = nodes.get(minor) if minor is not None else None
             if node is None:
-                raise DiscoveryError(
+                modprobe = catalog.modprobe_capability(cap)
+                raise MissingNodeError(
                     f"MIG device {mig.uuid} needs the capability {cap} (minor {minor}), but "
                     f"/dev/nvidia-caps/nvidia-cap{minor} is missing under the dev root; create it with "
-                    f"`nvidia-modprobe -f /proc/driver/nvidia/capabilities/{cap}`"
-                )
+                    f"`{_modprobe_text(modprobe)}`", modprobe)
             out.append(_node(node))
     return out
 
@@ -234,11 +234,14 @@ def _gpu_device(inventory: Inventory, gpu: Gpu) -> DeviceNode:
     """/dev/nvidia<minor> for a selected GPU; its absence is a host error."""
     node = inventory.gpu_node(gpu.minor)
     if node is None:
-        raise DiscoveryError(
-            f"GPU {gpu.index} ({gpu.uuid}) has no device node nvidia{gpu.minor} under the dev root; "
-            f"create it with `nvidia-modprobe -c={gpu.minor}`"
-        )
+        modprobe = catalog.modprobe_gpu(gpu.minor)
+        raise MissingNodeError(f"GPU {gpu.index} ({gpu.uuid}) has no device node nvidia{gpu.minor} under the dev "
+                               f"root; create it with `{_modprobe_text(modprobe)}`", modprobe)
     return _node(node)
+
+
+def _modprobe_text(modprobe: tuple[str, ...]) -> str:
+    return " ".join(("nvidia-modprobe", *modprobe))
 
 
 def _control_devices(
@@ -252,8 +255,11 @@ def _control_devices(
             continue
         if name in have:
             out.append(_node(have[name]))
-        elif needed_by is None:
-            raise DiscoveryError(f"/dev/{name} is missing under the dev root; load the driver (nvidia-modprobe)")
+        elif name in catalog.MODPROBE_CONTROL:
+            modprobe = catalog.MODPROBE_CONTROL[name]
+            why = "every GPU start" if needed_by is None else f"the {needed_by.value} capability"
+            raise MissingNodeError(f"/dev/{name}, which {why} needs, is missing under the dev root (its kernel module "
+                                   f"is not loaded yet?); create it with `{_modprobe_text(modprobe)}`", modprobe)
         else:
             skipped.append(Skipped(what=f"/dev/{name}", reason="not present on the host"))
     return tuple(out)

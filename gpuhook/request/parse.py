@@ -41,9 +41,14 @@ _BLANKS: Final = quick.BLANKS
 
 def parse_request(
     spec: BundleSpec, *, accept_envvar_when_unprivileged: bool, accept_volume_mounts: bool,
-    accept_cdi_annotations: bool = False,
+    accept_cdi_annotations: bool = False, supported_capabilities: frozenset[Capability] = ALL_CAPABILITIES,
+    disable_require: bool = False,
 ) -> GpuRequest | None:
-    """The container's GPU request, or None when it asks for none ("void")."""
+    """The container's GPU request, or None when it asks for none ("void").
+
+    *supported_capabilities* and *disable_require* are NVIDIA's supported-driver-capabilities and
+    disable-require (the host's policy, not the image's).
+    """
     env = spec.env
     legacy = is_legacy_image(env)
     raw, source = (_cdi_annotation_devices(spec) if accept_cdi_annotations else None), RequestSource.CDI_ANNOTATIONS
@@ -59,8 +64,8 @@ def parse_request(
         devices=devices.devices,
         count=devices.count,
         mig_asks=devices.mig_asks,
-        capabilities=parse_capabilities(env.get(DRIVER_CAPABILITIES), legacy=legacy),
-        requirements=parse_requirements(env, legacy=legacy),
+        capabilities=parse_capabilities(env.get(DRIVER_CAPABILITIES), legacy=legacy, supported=supported_capabilities),
+        requirements=() if disable_require else parse_requirements(env, legacy=legacy),
         imex_channels=_imex_channels(env) if spec.privileged or accept_envvar_when_unprivileged else (),
         gated=frozenset(name for name in GATED if env.get(f"NVIDIA_{name.upper()}") == "enabled"),
         mig_config=_mig_control(env, MIG_CONFIG, privileged=spec.privileged),
@@ -140,8 +145,17 @@ def _device_list_entry(destination: str) -> str | None:
     return str(name) if str(name) != "." else None
 
 
-def parse_capabilities(raw: str | None, *, legacy: bool = False) -> frozenset[Capability]:
-    """NVIDIA_DRIVER_CAPABILITIES; unset or empty means utility,compute (all for legacy images)."""
+def parse_capabilities(raw: str | None, *, legacy: bool = False,
+                       supported: frozenset[Capability] = ALL_CAPABILITIES) -> frozenset[Capability]:
+    """NVIDIA_DRIVER_CAPABILITIES, narrowed to the host's *supported* set (as NVIDIA's hook does).
+
+    Unset or empty means utility,compute (all for legacy images); ``all`` means *supported*.
+    """
+    return _requested_capabilities(raw, legacy=legacy) & supported
+
+
+def _requested_capabilities(raw: str | None, *, legacy: bool) -> frozenset[Capability]:
+    """The capabilities NVIDIA_DRIVER_CAPABILITIES names (every one for ``all``)."""
     if raw is None:
         return ALL_CAPABILITIES if legacy else DEFAULT_CAPABILITIES
     names = [n.strip(_BLANKS) for n in raw.split(",")]

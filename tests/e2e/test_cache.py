@@ -96,10 +96,14 @@ def test_driver_change_rebuilds_the_cache(cache_host: FakeHost, start: Start,
 
 
 def test_removed_node_is_not_served_from_a_stale_cache(cache_host: FakeHost, start: Start) -> None:
-    """/dev/nvidia1 removed after caching: the container asking for it is refused, never given a ghost node."""
+    """/dev/nvidia1 removed after caching: with load_kmods off the container asking for it is refused (naming
+    the command that makes the node), never given a ghost node."""
     assert start().returncode == 0
     (cache_host.root / "dev/nvidia1").unlink()
+    with cache_host.config_path.open("a") as config:
+        config.write("load_kmods: false\n")
     refused = start()
     assert refused.returncode != 0
     assert "has no device node nvidia1" in refused.stderr and "Traceback" not in refused.stderr
+    assert "`nvidia-modprobe -c 1` (load_kmods is off)" in refused.stderr, refused.stderr
     assert cache_outcomes(cache_host) == ["absent", "stale"]

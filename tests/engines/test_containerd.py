@@ -99,3 +99,55 @@ def test_ctr_with_python_env_is_refused(ctrd: Containerd, host: FakeHost, tmp_pa
     result = ctrd.run(IMAGE, unique_id("ctr"), "/bin/true", options=("--gpus", "0"), env=env)
     assert result.returncode != 0
     assert "the hook's environment sets LD_LIBRARY_PATH" in result.stderr and "env -i" in result.stderr
+
+
+# Debian 12's containerd package ships this /etc/containerd/config.toml (no `imports`): a copy, so the host's
+# own file is never touched nor relied on.
+DEBIAN_CONFIG = """version = 2
+
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    [plugins."io.containerd.grpc.v1.cri".cni]
+      bin_dir = "/usr/lib/cni"
+      conf_dir = "/etc/cni/net.d"
+  [plugins."io.containerd.internal.v1.opt"]
+    path = "/var/lib/containerd/opt"
+"""
+
+
+def _containerd_seeing(etc: Path, bindir: Path) -> Path:
+    """A `containerd` for the doctor's probe that runs the real one in a private mount namespace where *etc*
+    is /etc/containerd: it reads exactly what `install --root` wrote, at the paths the host would have."""
+    bindir.mkdir(parents=True, exist_ok=True)
+    wrapper = bindir / "containerd"
+    wrapper.write_text("#!/bin/sh\n"
+                       f"exec unshare --mount --propagation private sh -c 'mount --bind \"$0\" /etc/containerd && "
+                       f"exec containerd \"$@\"' {etc} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@pytest.mark.parametrize("name", ["gpuhook", "nvidia"])
+def test_stock_debian_config_plus_install_knows_the_handler(name: str, tmp_path: Path) -> None:
+    """containerd 1.6 with Debian's stock config.toml plus `gpuhook install --runtime containerd [--name nvidia]`:
+    containerd's own `config dump` has the runtime handler running gpuhook-runtime (the imports line makes it
+    read the drop-in), and doctor's containerd check says so; before the install it says not registered."""
+    from gpuhook.cli import main
+    from gpuhook.cli.enginecheck import containerd_view
+    from gpuhook.doctor import Verdict, registration_checks
+
+    if os.geteuid() != 0 or not Path("/etc/containerd").is_dir():
+        pytest.fail("needs root and containerd's /etc/containerd (make test installs containerd and runs as root)")
+    root = tmp_path / "root"
+    etc = root / "etc/containerd"
+    etc.mkdir(parents=True)
+    (etc / "config.toml").write_text(DEBIAN_CONFIG)
+    containerd = str(_containerd_seeing(etc, tmp_path / "bin"))
+    before = registration_checks([containerd_view(containerd)])[0]
+    assert before.verdict is Verdict.WARN and before.fix.startswith("gpuhook install --runtime containerd"), before
+    bin_dir = Path(sys.executable).parent
+    assert main(["install", "--runtime", "containerd", "--root", str(root), "--bin-dir", str(bin_dir),
+                 *(("--name", name) if name != "gpuhook" else ())]) == 0
+    view = containerd_view(containerd)
+    assert view.error == "" and view.handlers == (f"runtime handler {name} ({bin_dir}/gpuhook-runtime)",), view
+    assert registration_checks([view])[0].verdict is Verdict.OK

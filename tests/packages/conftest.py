@@ -53,6 +53,15 @@ MIRROR = os.environ.get("GPUHOOK_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 INCLUDE = ("python3.11", "runc")
 CACHE = REPO / ".cache" / "debootstrap"
 CHROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: packaging/man's hand-written pages, as the packages install them (gzip'd, by section)
+HAND_PAGES = {"/usr/share/man/man1/gpuhook.1.gz": "gpuhook.1",
+              "/usr/share/man/man5/gpuhook.yaml.5.gz": "gpuhook.yaml.5",
+              "/usr/share/man/man8/gpuhookd.8.gz": "gpuhookd.8",
+              "/usr/share/man/man1/gpuhook-runtime.1.gz": "gpuhook-runtime.1",
+              "/usr/share/man/man1/nvidia-ctk.1.gz": "nvidia-ctk.1"}
+#: every page the packages install: the hand-written ones and NVIDIA's command names' (from --help)
+MAN_PAGES = (*HAND_PAGES, "/usr/share/man/man1/nvidia-container-runtime-hook.1.gz",
+             "/usr/share/man/man1/nvidia-container-cli.1.gz")
 TIMINGS: dict[str, float] = {}
 
 
@@ -330,17 +339,37 @@ def check_commands(installed: InstalledRoot, version: str) -> None:
     """The installed commands start from the private venv, isolated from the system's Python."""
     out = installed.chroot.run(
         "gpuhook --version; nvidia-container-runtime-hook -version; nvidia-container-toolkit -version; "
-        "nvidia-container-cli --version; readlink /usr/lib/gpuhook/bin/python; head -n1 /usr/bin/gpuhook; "
+        "nvidia-container-cli --version; nvidia-ctk --version; readlink /usr/lib/gpuhook/bin/python; "
+        "head -n1 /usr/bin/gpuhook; "
         "/usr/lib/gpuhook/bin/python -I -c 'import sys, yaml, pynvml, gpuhook; "
         "print(sys.prefix, [p for p in sys.path if \"-packages\" in p], gpuhook.__file__, yaml.__file__)'").stdout
     assert f"gpuhook {version}" in out
     assert f"gpuhook {version} (nvidia-container-runtime-hook compatible)" in out
     assert out.count("nvidia-container-runtime-hook compatible") == 2  # the nvidia-container-toolkit link too
     assert f"cli-version: gpuhook {version}" in out
+    assert f"nvidia-ctk (gpuhook {version})" in out
     assert "/usr/bin/python3.11\n" in out
     assert "#!/usr/lib/gpuhook/bin/python -I\n" in out
     site = "/usr/lib/gpuhook/lib/python3.11/site-packages"
     assert f"/usr/lib/gpuhook ['{site}'] {site}/gpuhook/__init__.py {site}/yaml/__init__.py" in out
+
+
+def check_docs(installed: InstalledRoot) -> None:
+    """The man pages are packaging/man's (not --help's) and render without a warning; the logrotate file
+    is packaging/logrotate's, rotating the default log_file."""
+    import gzip
+
+    root = installed.root
+    for path, source in HAND_PAGES.items():
+        assert gzip.decompress((root / path.lstrip("/")).read_bytes()) == (REPO / "packaging/man" / source).read_bytes()
+    for path in MAN_PAGES:
+        proc = subprocess.run(["man", "--warnings=w", "-E", "UTF-8", "-l", str(root / path.lstrip("/"))],
+                              capture_output=True, text=True, check=False, timeout=60,
+                              env={**os.environ, "MANWIDTH": "80", "LC_ALL": "C.UTF-8"})
+        assert (proc.returncode, proc.stderr) == (0, ""), f"{path}: {proc.stderr}"
+    rotate = (root / "etc/logrotate.d/gpuhook").read_text()
+    assert rotate == (REPO / "packaging/logrotate/gpuhook").read_text()
+    assert "/var/log/gpuhook.log {" in rotate and "copytruncate" in rotate
 
 
 def check_info(installed: InstalledRoot) -> None:

@@ -18,11 +18,13 @@ from integration.engines import tree_snapshot
 from integration.fakehost import FakeHost
 
 from .conftest import (
+    MAN_PAGES,
     InstalledRoot,
     build_packages,
     Packages,
     changed,
     check_commands,
+    check_docs,
     check_gpu_containers,
     check_gpuhookd_container,
     check_info,
@@ -57,12 +59,13 @@ def test_deb_name_and_control(packages: Packages) -> None:
                             check=True).stdout
     assert "Depends: python3.11\n" in fields
     for relation in ("Conflicts", "Replaces"):
-        assert (f"{relation}: nvidia-container-toolkit, nvidia-container-runtime-hook, libnvidia-container-tools\n"
-                in fields)
-    assert "Provides: nvidia-container-toolkit, nvidia-container-runtime-hook\n" in fields
+        assert (f"{relation}: nvidia-container-toolkit, nvidia-container-runtime-hook, libnvidia-container-tools, "
+                "nvidia-container-toolkit-base\n" in fields)
+    assert ("Provides: nvidia-container-toolkit, nvidia-container-runtime-hook, nvidia-container-toolkit-base\n"
+            in fields)
     conffiles = subprocess.run(["dpkg-deb", "-I", str(packages.deb), "conffiles"], capture_output=True, text=True,
                                check=True).stdout
-    assert conffiles.split() == ["/etc/gpuhook/config.yaml"]
+    assert sorted(conffiles.split()) == ["/etc/gpuhook/config.yaml", "/etc/logrotate.d/gpuhook"]
 
 
 def test_deb_contents(packages: Packages) -> None:
@@ -75,10 +78,13 @@ def test_deb_contents(packages: Packages) -> None:
         "/usr/lib/systemd/system/gpuhook-cdi-refresh.path",
         "/usr/lib/systemd/system/gpuhook-cdi-refresh.service", "/usr/lib/udev/rules.d/71-gpuhook-cdi-refresh.rules",
         "/usr/lib/systemd/system/gpuhookd.socket", "/usr/lib/systemd/system/gpuhookd.service",
-        "/usr/share/man/man1/gpuhook.1.gz", "/usr/share/doc/gpuhook/changelog.gz",
+        "/usr/share/doc/gpuhook/changelog.gz", "/usr/bin/nvidia-ctk", "/etc/logrotate.d/gpuhook",
+        *MAN_PAGES,
         "/usr/lib/gpuhook/bin/python", "/usr/lib/gpuhook/bin/gpuhook-hook", "/usr/lib/gpuhook/pyvenv.cfg",
         "/usr/lib/gpuhook/bin/gpuhook-relay", "/usr/lib/gpuhook/bin/gpuhook",
         "/usr/lib/gpuhook/libexec/nvidia-container-runtime-hook", "/usr/lib/gpuhook/bin/nvidia-container-runtime-hook",
+        "/usr/bin/nvidia-container-runtime", "/usr/lib/gpuhook/libexec/gpuhook-runtime",
+        "/usr/lib/gpuhook/bin/gpuhook-runtime",
     } <= files
     assert not any("/pip/" in f or f.endswith("/activate") for f in files)
     assert any(f.endswith(".pyc") and "/gpuhook/cli/" in f for f in files)
@@ -118,6 +124,11 @@ def test_installed_files_match_the_package(installed: InstalledRoot, packages: P
     files = {p for p in package_paths(listed) if not (installed.root / p.lstrip("/")).is_dir()
              or (installed.root / p.lstrip("/")).is_symlink()}
     assert files - {"/lib"} == deb_files(packages.deb)  # /lib: merged-usr's symlink, listed as the dir
+
+
+def test_man_pages_and_logrotate(installed: InstalledRoot) -> None:
+    """The man pages as packaging/man has them (and rendering cleanly); /etc/logrotate.d/gpuhook."""
+    check_docs(installed)
 
 
 def test_commands(installed: InstalledRoot, packages: Packages) -> None:
@@ -195,19 +206,32 @@ replaces: [nvidia-container-runtime-hook]
 contents:
   - {src: HOOK, dst: /usr/bin/nvidia-container-runtime-hook, file_info: {mode: 0755}}
   - {src: /usr/bin/nvidia-container-runtime-hook, dst: /usr/bin/nvidia-container-toolkit, type: symlink}
+  - {src: TOML, dst: /etc/nvidia-container-runtime/config.toml, type: config}
+"""
+#: NVIDIA's config.toml as a Kubernetes node has it: only the device plugin grants GPUs.
+NVIDIA_CONFIG = """\
+disable-require = false
+accept-nvidia-visible-devices-envvar-when-unprivileged = false
+
+[nvidia-container-cli]
+load-kmods = true
+ldconfig = "@/sbin/ldconfig"
 """
 
 
 def test_switching_from_and_back_to_nvidia(tmp_path_factory: pytest.TempPathFactory, packages: Packages,
                                            base_tarball, host: FakeHost, rootfs_src) -> None:
     """apt swaps NVIDIA's nvidia-container-toolkit (a stand-in with its files and relations) for gpuhook
-    and back, each way in one `apt-get install`, leaving the other's files in place."""
+    and back, each way in one `apt-get install`, leaving the other's files in place; NVIDIA's config.toml
+    (its conffile, kept on removal) becomes gpuhook's /etc/gpuhook/config.yaml on the way in."""
     work = tmp_path_factory.mktemp("nvidia-pkg")
     work.chmod(0o755)
     hook = work / "hook"
     hook.write_text("#!/bin/sh\necho NVIDIA hook\n")
+    toml = work / "config.toml"
+    toml.write_text(NVIDIA_CONFIG)
     config = work / "nfpm.yaml"
-    config.write_text(NVIDIA_LOOKALIKE.replace("HOOK", str(hook)))
+    config.write_text(NVIDIA_LOOKALIKE.replace("HOOK", str(hook)).replace("TOML", str(toml)))
     nvidia_deb = work / "nvidia-container-toolkit_1.17.8-1_amd64.deb"
     subprocess.run([build_packages.find_nfpm(), "package", "--config", str(config), "--packager", "deb",
                     "--target", str(nvidia_deb)], check=True, capture_output=True)
@@ -222,6 +246,8 @@ def test_switching_from_and_back_to_nvidia(tmp_path_factory: pytest.TempPathFact
                      "nvidia-container-toolkit -version", check=False).stdout
     assert "gpuhook ii" in out and "nvidia-container-toolkit ii" not in out
     assert "(nvidia-container-runtime-hook compatible)" in out
+    imported = (chroot.root / "etc/gpuhook/config.yaml").read_text()
+    assert "accept_envvar_when_unprivileged: false" in imported and "load_kmods: true" in imported, imported
 
     chroot.run(f"cd {work} && {apt} ./{nvidia_deb.name}")
     out = chroot.run("dpkg-query -W -f='${Package} ${db:Status-Abbrev}\\n' gpuhook nvidia-container-toolkit; "

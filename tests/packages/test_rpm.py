@@ -26,6 +26,7 @@ from .conftest import (
     Packages,
     changed,
     check_commands,
+    check_docs,
     check_gpu_containers,
     check_gpuhookd_container,
     check_info,
@@ -63,13 +64,15 @@ def test_rpm_name_and_relations(packages: Packages) -> None:
     requires = [r for r in query(packages.rpm, "[%{REQUIRENAME}\\n]") if not r.startswith("rpmlib(")]
     assert requires == ["/usr/bin/python3.11"]
     assert set(query(packages.rpm, "[%{CONFLICTNAME}\\n]")) == {
-        "nvidia-container-toolkit", "nvidia-container-runtime-hook", "libnvidia-container-tools"}
-    assert {"nvidia-container-toolkit", "nvidia-container-runtime-hook"} <= set(
+        "nvidia-container-toolkit", "nvidia-container-runtime-hook", "libnvidia-container-tools",
+        "nvidia-container-toolkit-base"}
+    assert {"nvidia-container-toolkit", "nvidia-container-runtime-hook", "nvidia-container-toolkit-base"} <= set(
         query(packages.rpm, "[%{PROVIDENAME}\\n]"))
     # No Obsoletes: dnf would otherwise swap NVIDIA's package out on an upgrade and refuse it later.
     assert query(packages.rpm, "[%{OBSOLETENAME}\\n]") == []
     flags = dict(line.split(" ", 1)[::-1] for line in query(packages.rpm, "[%{FILEFLAGS:fflags} %{FILENAMES}\\n]"))
     assert set(flags["/etc/gpuhook/config.yaml"]) >= {"c", "n"}  # %config(noreplace)
+    assert set(flags["/etc/logrotate.d/gpuhook"]) >= {"c", "n"}
     scripts = rpm("-qp", "--scripts", str(packages.rpm)).stdout
     for scriptlet in ("postinstall scriptlet", "preuninstall scriptlet", "postuninstall scriptlet"):
         assert scriptlet in scripts
@@ -135,6 +138,11 @@ def test_scriptlets_on_install(installed: InstalledRoot) -> None:
     assert "WARNING" not in installed.install_output
 
 
+def test_man_pages_and_logrotate(installed: InstalledRoot) -> None:
+    """The man pages as packaging/man has them (and rendering cleanly); /etc/logrotate.d/gpuhook."""
+    check_docs(installed)
+
+
 def test_commands(installed: InstalledRoot, packages: Packages) -> None:
     """gpuhook --version and NVIDIA's names from the rpm's venv."""
     check_commands(installed, packages.version)
@@ -180,7 +188,7 @@ def test_erase_leaves_nothing(installed: InstalledRoot) -> None:
         rpm("--root", str(root), "-e", "--nodeps", "gpuhook")
         calls = systemctl.read_text().splitlines()
     assert "stop gpuhookd.socket gpuhookd.service" in calls
-    assert "--no-reload disable gpuhook-cdi-refresh.path gpuhookd.socket" in calls
+    assert "--no-reload disable gpuhook-cdi-refresh.path gpuhook-cdi-refresh.service gpuhookd.socket" in calls
     # rpm keeps an edited %config(noreplace) file as .rpmsave: the admin's, not the package's.
     saved = root / "etc/gpuhook/config.yaml.rpmsave"
     assert saved.is_file()

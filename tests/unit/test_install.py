@@ -14,7 +14,7 @@ import yaml
 from gpuhook.cli import runtime
 from gpuhook.cli.install import run_install
 from gpuhook.errors import ConfigError
-from gpuhook.install import HOOKS_D_FILES, changes, containerd_config, docker_daemon_json
+from gpuhook.install import HOOKS_D_FILES, changes, containerd_config, docker_daemon_json, registration
 from integration.fakehost import FakeHost
 
 BIN = "/usr/lib/gpuhook/bin"
@@ -322,9 +322,79 @@ def test_containerd_under_another_name_as_the_default() -> None:
 @pytest.mark.parametrize(("engine", "name", "default", "match"), [
     pytest.param("docker", "Nvidia!", False, "expected a runtime name", id="bad-name"),
     pytest.param("podman", "nvidia", False, "hooks.d files", id="podman-has-no-runtime-name"),
-    pytest.param("crio", "gpuhook", True, "hooks.d files", id="crio-has-no-default-runtime"),
+    pytest.param("podman", None, True, "hooks.d files", id="podman-has-no-default-runtime"),
 ])
-def test_runtime_names_are_checked(engine: str, name: str, default: bool, match: str, tmp_path: Path) -> None:
+def test_runtime_names_are_checked(engine: str, name: str | None, default: bool, match: str, tmp_path: Path) -> None:
     """A name an engine would refuse, and --name/--set-as-default where there is no runtime, are refused."""
     with pytest.raises(ConfigError, match=match):
         run_install(engine, dry_run=True, root=tmp_path, bin_dir=Path(BIN), name=name, default=default)
+
+
+@pytest.mark.parametrize(("name", "default", "dropin"), [
+    pytest.param("nvidia", True, "/etc/crio/crio.conf.d/99-nvidia.toml", id="nvidia-default"),
+    pytest.param("gpuhook", False, "/etc/crio/crio.conf.d/99-gpuhook.conf", id="gpuhook"),
+])
+def test_crio_with_a_name_registers_a_runtime_handler(name: str, default: bool, dropin: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`install --runtime crio --name N [--set-as-default]`: one crio.conf.d drop-in (NVIDIA's own file name for
+    nvidia, which CRI-O would otherwise apply after ours) with [crio.runtime.runtimes.N] running gpuhook-runtime
+    as an "oci" runtime, default_runtime only when asked; no hooks.d file (gpuhook would run twice); twice: nothing."""
+    run_install("crio", dry_run=False, root=tmp_path, bin_dir=Path(BIN), name=name, default=default)
+    assert "restart crio (systemctl restart crio)" in capsys.readouterr().out
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == [dropin.lstrip("/")]
+    crio = tomllib.loads((tmp_path / dropin.lstrip("/")).read_text())["crio"]
+    assert crio["runtime"]["runtimes"] == {name: {"runtime_path": f"{BIN}/gpuhook-runtime", "runtime_type": "oci"}}
+    assert crio["runtime"].get("default_runtime") == (name if default else None)
+    run_install("crio", dry_run=False, root=tmp_path, bin_dir=Path(BIN), name=name, default=default)
+    assert "nothing to change" in capsys.readouterr().out
+
+
+def test_crio_without_a_name_keeps_the_hooks_d_files() -> None:
+    """Plain `install --runtime crio` is today's: the two hooks.d files, no runtime handler."""
+    paths = [c.path for c in changes("crio", bin_dir=BIN, current={})]
+    assert paths == [f"{HOOKS_D['crio']}/gpuhook.json", f"{HOOKS_D['crio']}/gpuhook-poststop.json"]
+
+
+@pytest.mark.parametrize("engine", ["docker", "containerd", "crio"])
+def test_registration_edits_the_config_file_it_is_given(engine: str, tmp_path: Path) -> None:
+    """An explicit engine config (nvidia-ctk's --config): that file (and containerd's/CRI-O's drop-in beside it)
+    and nothing else is changed, under the name given; containerd's imports reads that drop-in."""
+    config = str(tmp_path / {"docker": "daemon.json", "containerd": "config.toml", "crio": "crio.conf"}[engine])
+    wanted = registration(engine, runtime=f"{BIN}/gpuhook-runtime", current={}, name="nvidia", default=True,
+                          config=config)
+    assert all(c.path.startswith(f"{tmp_path}/") and c.link_to is None for c in wanted)
+    text = {c.path.removeprefix(f"{tmp_path}/"): c.content or "" for c in wanted}
+    if engine == "docker":
+        assert json.loads(text["daemon.json"]) == {"default-runtime": "nvidia",
+                                                   "runtimes": {"nvidia": {"path": f"{BIN}/gpuhook-runtime"}}}
+    elif engine == "containerd":
+        assert tomllib.loads(text["config.toml"])["imports"] == [f"{tmp_path}/conf.d/*.toml"]
+        cri = tomllib.loads(text["conf.d/gpuhook.toml"])["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+        assert cri["runtimes"]["nvidia"]["options"]["BinaryName"] == f"{BIN}/gpuhook-runtime"
+    else:
+        assert list(text) == ["crio.conf.d/99-nvidia.toml"]
+
+
+@pytest.mark.parametrize("imports", [
+    pytest.param('imports = ["conf.d/*.toml"]', id="relative-to-the-config"),
+    pytest.param('imports = ["/etc/containerd/conf.d/gpuhook.toml"]', id="the-file-itself"),
+])
+def test_containerd_imports_that_already_read_the_drop_in_are_kept(imports: str) -> None:
+    """An imports entry that already covers the drop-in (relative ones resolve against config.toml's dir, as
+    containerd does) leaves config.toml as it is."""
+    current = f"version = 2\n{imports}\n"
+    assert containerd_config(current) == current
+
+
+def test_kubernetes_has_nvidias_runtime_class_beside_gpuhooks() -> None:
+    """RuntimeClass nvidia (handler nvidia, as `install --runtime containerd --name nvidia` makes it) beside
+    gpuhook's, each saying which to use when."""
+    nvidia_file = PACKAGING / "kubernetes/runtimeclass-nvidia.yaml"
+    nvidia = yaml.safe_load(nvidia_file.read_text())
+    assert (nvidia["kind"], nvidia["metadata"]["name"], nvidia["handler"]) == ("RuntimeClass", "nvidia", "nvidia")
+    assert "gpuhook install --runtime containerd --name nvidia" in nvidia_file.read_text()
+    assert "runtimeclass-nvidia.yaml" in (PACKAGING / "kubernetes/runtimeclass.yaml").read_text()
+    dropin = next(c for c in changes("containerd", bin_dir=BIN, current={}, name="nvidia") if c.content)
+    assert "nvidia" in tomllib.loads(dropin.content or "")["plugins"]["io.containerd.grpc.v1.cri"]["containerd"][
+        "runtimes"]

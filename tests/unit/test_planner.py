@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuhook.errors import DiscoveryError, RequestError, UnknownDeviceError
+from gpuhook.errors import DiscoveryError, MissingNodeError, RequestError, UnknownDeviceError
 from gpuhook.inventory import (
     DriverFile,
     Gpu,
@@ -137,14 +137,22 @@ def test_mig_on_a_host_without_mig() -> None:
 
 
 def test_missing_gpu_node_and_control_node_are_host_errors() -> None:
-    """A selected GPU without its node, or no nvidiactl, is a DiscoveryError with the fix."""
+    """A selected GPU without its node, no nvidiactl, or no nvidia-uvm for compute is a MissingNodeError naming
+    the nvidia-modprobe arguments that create it (load_kmods runs them)."""
     inv = inventory()
     no_node = Inventory(**{**_fields(inv), "gpu_nodes": inv.gpu_nodes[:1]})
-    with pytest.raises(DiscoveryError, match="nvidia-modprobe -c=1"):
+    with pytest.raises(MissingNodeError, match="create it with `nvidia-modprobe -c 1`") as gpu:
         make_plan(req(GpuIndex(1)), no_node, LIVE, TARGET)
     no_ctl = Inventory(**{**_fields(inv), "control_nodes": ()})
-    with pytest.raises(DiscoveryError, match="/dev/nvidiactl is missing"):
+    with pytest.raises(MissingNodeError, match="/dev/nvidiactl, which every GPU start needs, is missing") as ctl:
         make_plan(req(GpuIndex(0)), no_ctl, LIVE, TARGET)
+    no_uvm = Inventory(**{**_fields(inv), "control_nodes": tuple(n for n in inv.control_nodes
+                                                                  if not n.name.startswith("nvidia-uvm"))})
+    with pytest.raises(MissingNodeError, match="/dev/nvidia-uvm, which the compute capability needs") as uvm:
+        make_plan(req(GpuIndex(0)), no_uvm, LIVE, TARGET)
+    assert (gpu.value.modprobe, ctl.value.modprobe, uvm.value.modprobe) == (("-c", "1"), ("-c", "255"),
+                                                                           ("-u", "-c", "0"))
+    assert make_plan(req(GpuIndex(0), caps=frozenset({Capability.UTILITY})), no_uvm, LIVE, TARGET).devices
 
 
 def test_missing_optional_items_are_skipped_as_data() -> None:
