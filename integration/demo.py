@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from integration.engines import default_spec, run_container, unique_id, write_bundle
 from integration.fakehost import create_host
@@ -56,7 +57,24 @@ def main() -> int:
         return result.returncode
     banner(f"the hook's log: {host.root / 'gpuhook.log'} (last event)")
     print((host.root / "gpuhook.log").read_text().splitlines()[-1])
-    return 0
+    return show_one_gpu(host.root, hook)
+
+
+def show_one_gpu(root: Path, hook: dict[str, Any]) -> int:
+    """nvidia-smi -L on the host, then in a container given GPU 1 only: it sees exactly that GPU."""
+    banner("the host: nvidia-smi -L")
+    subprocess.run([root / "usr/bin/nvidia-smi", "-L"], check=True)
+    bundle = WORK / "bundle-gpu1"
+    bundle.mkdir()
+    copy_rootfs(build_rootfs(REPO / ".cache" / "rootfs"), bundle / "rootfs")
+    env = ["PATH=/usr/local/bin:/usr/bin:/bin", "NVIDIA_VISIBLE_DEVICES=1", "NVIDIA_DRIVER_CAPABILITIES=utility"]
+    write_bundle(bundle, default_spec("rootfs", ["/bin/sh", "-c", "nvidia-smi -L"], env, hooks={"prestart": [hook]}))
+    banner("runc run with NVIDIA_VISIBLE_DEVICES=1: nvidia-smi -L (NVML numbers what it sees from 0)")
+    result = run_container("runc", bundle, unique_id("demo"))
+    print(result.stdout, end="")
+    if result.returncode != 0:
+        print(result.stderr, file=sys.stderr)
+    return result.returncode
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 
 Its usr/bin/nvidia-cuda-mps-control is a working stand-in for NVIDIA's MPS
 control daemon (mpscontrol.c: -d, client mode, the real commands, pipe
-directory and control.log); the other driver tools are inert scripts.
+directory and control.log); usr/bin/nvidia-smi is an NVML client of the
+libnvidia-ml.so.1 it finds (nvidiasmi.c), so in a container it shows what the
+container was given (the mock's driver view, mocknvml.c); usr/bin/nvidia-modprobe
+makes the driver's nodes as the real one does, logging each call (modprobe.c:
+FakeHost.modprobe_calls, break_modprobe); the other driver tools are inert scripts.
 
 gpuhook reaches it through its ordinary settings: driver_root, dev_root and
 proc_root all point at the host's directory (see FakeHost.config_path).

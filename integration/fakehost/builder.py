@@ -90,6 +90,33 @@ class FakeHost:
     #: GPU index → problems: "retired-pages", "row-remap-pending", "row-remap-failure" (NVML) and
     #: "xid:<n>" (an NVRM Xid line in dev/kmsg, as the kernel log shows it)
     unhealthy: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    #: Nodes (relative to dev) the build left out, as after a boot before anything loaded their module;
+    #: /proc/devices still lists the module, so usr/bin/nvidia-modprobe can make them.
+    missing_nodes: tuple[str, ...] = ()
+
+    @property
+    def modprobe_path(self) -> Path:
+        """The nvidia-modprobe stand-in (modprobe.c), which makes nodes under root/dev."""
+        return self.root / native.NVIDIA_MODPROBE
+
+    @property
+    def modprobe_log_path(self) -> Path:
+        """Where the nvidia-modprobe stand-in appends each call's argv (tab-separated)."""
+        return self.root / "etc" / "mock-nvml" / "modprobe.log"
+
+    def modprobe_calls(self) -> list[tuple[str, ...]]:
+        """The argv (argv[0] included) of each nvidia-modprobe call so far, in order."""
+        return [tuple(line.split("\t")) for line in self.modprobe_log_path.read_text().splitlines()]
+
+    def break_modprobe(self, message: str = "FATAL: Module nvidia-uvm not found (simulated failure)") -> None:
+        """Makes every later nvidia-modprobe call fail: exit 1, *message* on stderr (the call is still logged)."""
+        if not message or "\n" in message:
+            raise FakeHostError(f"break_modprobe: the message must be one non-empty line, got {message!r}")
+        _write(self.root / "etc" / "mock-nvml" / "modprobe-broken", message + "\n")
+
+    def repair_modprobe(self) -> None:
+        """Undoes break_modprobe."""
+        (self.root / "etc" / "mock-nvml" / "modprobe-broken").unlink(missing_ok=True)
 
     def write_config(self, path: Path, *, state_dir: Path, gpus: Sequence[Mapping[str, Any]] = ()) -> Path:
         """This host's gpuhook config at *path* with a lease ledger of its own in *state_dir* and the
@@ -254,21 +281,24 @@ def _discard(root: Path, existed: bool) -> None:
             child.unlink()
 
 
-def _write_driver_files(host: FakeHost) -> None:
-    """Tools, firmware and the mock NVML's topology and call log."""
+def _topology(host: FakeHost) -> str:
+    """The mock NVML's topology: the file on the host, built into the library for the driver's view."""
+    topology = render_topology(host.driver_version, host.cuda_version, host.gpus, host.mig_devices)
+    for index, problems in host.unhealthy:
+        flags = [int(kind in problems) for kind in ("retired-pages", "row-remap-pending", "row-remap-failure")]
+        topology += f"health {index} {flags[0]} {flags[1]} {flags[2]}\n"
+    return topology
+
+
+def _write_driver_files(host: FakeHost, topology: str) -> None:
+    """Tools, firmware and the mock NVML's topology and call logs."""
     root, driver = host.root, host.driver_version
-    smi = texts.nvidia_smi_script(driver, host.cuda_version, host.gpus, host.mig_devices)
-    _write(root / "usr/bin/nvidia-smi", smi, 0o755)
     for tool in _TOOLS:
         _write(root / "usr/bin" / tool, texts.tool_script(tool, driver), 0o755)
     for firmware in _FIRMWARE:
         _write(
             root / "lib/firmware/nvidia" / driver / firmware, f"simulated GSP firmware {firmware} {driver}\n"
         )
-    topology = render_topology(driver, host.cuda_version, host.gpus, host.mig_devices)
-    for index, problems in host.unhealthy:
-        flags = [int(kind in problems) for kind in ("retired-pages", "row-remap-pending", "row-remap-failure")]
-        topology += f"health {index} {flags[0]} {flags[1]} {flags[2]}\n"
     _write(host.topology_path, topology)
     # The kernel log as /dev/kmsg hands it out ("prio,seq,usec,flags;message"), with the driver's Xid lines.
     records = ["6,1,1000,-;Linux version 6.18.44 (simulated)"]
@@ -279,17 +309,27 @@ def _write_driver_files(host: FakeHost) -> None:
     _write(root / "dev/kmsg", "".join(r + "\n" for r in records))
     # World-writable so that unprivileged processes under test can log too.
     _write(host.calls_log_path, "", 0o666)
+    _write(host.modprobe_log_path, "")
+
+
+def _driver_nodes(host: FakeHost) -> list[tuple[str, int, int]]:
+    """The nodes the NVIDIA modules make, relative to dev: (name, major, minor)."""
+    return [
+        *((f"nvidia{gpu.minor}", host.nvidia_major, gpu.minor) for gpu in host.gpus),
+        ("nvidiactl", host.nvidia_major, texts.NVIDIACTL_MINOR),
+        ("nvidia-modeset", host.nvidia_major, texts.MODESET_MINOR),
+        ("nvidia-uvm", host.uvm_major, 0),
+        ("nvidia-uvm-tools", host.uvm_major, 1),
+    ]
 
 
 def _write_devices(host: FakeHost) -> None:
-    """The /dev nodes the driver creates (ModifyDeviceFiles: 1)."""
+    """The /dev nodes the driver creates (ModifyDeviceFiles: 1), less the missing ones."""
     dev = host.root / "dev"
-    for gpu in host.gpus:
-        _mknod(dev / f"nvidia{gpu.minor}", host.nvidia_major, gpu.minor)
-    _mknod(dev / "nvidiactl", host.nvidia_major, texts.NVIDIACTL_MINOR)
-    _mknod(dev / "nvidia-modeset", host.nvidia_major, texts.MODESET_MINOR)
-    _mknod(dev / "nvidia-uvm", host.uvm_major, 0)
-    _mknod(dev / "nvidia-uvm-tools", host.uvm_major, 1)
+    dev.mkdir(mode=0o755, exist_ok=True)
+    for name, major, minor in _driver_nodes(host):
+        if name not in host.missing_nodes:
+            _mknod(dev / name, major, minor)
     for channel in host.imex_channels:
         _mknod(dev / "nvidia-caps-imex-channels" / f"channel{channel}", host.imex_major, channel)
     for name, major, minor in host.gated_nodes:
@@ -345,19 +385,31 @@ def _write_graphics_files(host: FakeHost) -> None:
     _write(optix, texts.nvoptix_bin(host.driver_version))
 
 
+def _build_tools(host: FakeHost) -> None:
+    """The driver's programs: the MPS control daemon, nvidia-modprobe and nvidia-smi stand-ins."""
+    native.build_mps_control(host.root / native.MPS_CONTROL)
+    native.build_modprobe(host.modprobe_path, host.driver_version)
+    native.build_nvidia_smi(host.root / native.NVIDIA_SMI)
+
+
 def _build(host: FakeHost) -> None:
     """Lays out every part of the host under host.root."""
-    # The static link of the MPS control stand-in (~0.3 s) runs beside the library builds.
+    topology = _topology(host)
+    # The static links of the tools (~0.3 s each) run beside the library builds.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        mps_control = pool.submit(native.build_mps_control, host.root / native.MPS_CONTROL)
-        native.build_libraries(host.root, host.driver_version)
-        mps_control.result()
+        tools = pool.submit(_build_tools, host)
+        mig_minors = migs.mig_minors(len(host.gpus)) if host.mig_enabled else ""
+        native.build_libraries(host.root, host.driver_version, topology, mig_minors)
+        tools.result()
     native.run_ldconfig(host.root)
-    _write_driver_files(host)
+    _write_driver_files(host, topology)
     _write_devices(host)
     _write_procfs(host)
     _write_graphics_files(host)
     _make_socket(host.root / "run" / "nvidia-persistenced" / "socket")
+    # Debian's /var/run -> /run, relative so that it resolves inside the host root from anywhere.
+    (host.root / "var").mkdir(mode=0o755)
+    (host.root / "var" / "run").symlink_to("../run")
     _write(host.config_path, texts.gpuhook_config(host.root))
 
 
@@ -386,12 +438,15 @@ def create_host(
     model: str = DEFAULT_MODEL,
     mig: Mapping[int, Sequence[str] | str] | None = None,
     unhealthy: Mapping[int, Sequence[str]] | None = None,
+    missing_nodes: Sequence[str] = (),
 ) -> FakeHost:
     """Builds a simulated GPU host in dir, which must be new or empty.
 
     mig puts GPUs in MIG mode with GPU instances of the given profiles, in
     creation order: {0: ("1g.10gb", "1g.10gb")}; an empty list leaves MIG on
     with no instances; a string is read as comma-separated profiles.
+    missing_nodes leaves driver nodes out of dev, e.g. ("nvidia-uvm", "nvidia-uvm-tools") as
+    after a boot; their modules stay in /proc/devices, so usr/bin/nvidia-modprobe makes them.
     """
     try:
         validate_driver_version(driver)
@@ -419,7 +474,13 @@ def create_host(
         nvidia_major=texts.NVIDIA_MAJOR,
         mig_devices=mig_devices,
         unhealthy=_check_unhealthy(unhealthy or {}, gpus),
+        missing_nodes=tuple(missing_nodes),
     )
+    known = [name for name, _, _ in _driver_nodes(host)]
+    unknown = sorted(set(missing_nodes) - set(known))
+    if unknown:
+        raise FakeHostError(f"missing_nodes: {', '.join(unknown)} is not a driver node; expected some of "
+                            f"{', '.join(known)}")
     existed = _prepare_root(root)
     try:
         _build(host)

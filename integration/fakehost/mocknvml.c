@@ -14,6 +14,42 @@
  * The ABI (function signatures, struct layouts, error codes, version
  * encodings) follows nvml.h as used by pynvml (nvidia-ml-py 13).
  *
+ * Two views, chosen at each 0 -> 1 init:
+ *  - the host's view, when <root>/etc/mock-nvml/topology exists (the
+ *    simulated host's own directory): every GPU and MIG device of the
+ *    topology, MIG changes shared through mig-state, as described below.
+ *  - the driver's view, when it does not: inside a container gpuhook injected
+ *    the library into (root is "/", and gpuhook injects no mock-only file).
+ *    The builder compiles the host's topology into the library
+ *    (mock_embedded_topology, a second translation unit), standing for what
+ *    the real NVML learns from the kernel module; what the process may use is
+ *    decided as the real driver decides it.  <root>/dev/nvidiactl must exist
+ *    (else NVML_ERROR_DRIVER_NOT_LOADED) and open (else
+ *    NVML_ERROR_NO_PERMISSION).  The GPUs are those of the topology whose
+ *    <root>/dev/nvidia<minor> the process can open and whose UUID a
+ *    <root>/proc/driver/nvidia/gpus/<bus>/information file lists, renumbered
+ *    0, 1, ... in topology (PCI) order as NVML numbers the GPUs it sees.  A
+ *    GPU's MIG devices are the (gi, ci) pairs whose capability files
+ *    <root>/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<G>/access and
+ *    .../gi<G>/ci<C>/access exist and whose /dev/nvidia-caps/nvidia-cap<minor>
+ *    nodes (minors from the files' DeviceFileMinor) the process can open,
+ *    numbered in (gi, ci) order.  With <root>/proc/driver/nvidia present its
+ *    version file must name the library's driver version (else
+ *    NVML_ERROR_LIB_RM_VERSION_MISMATCH).  Without it (no NVIDIA kernel module
+ *    on this machine, so gpuhook has no /proc/driver/nvidia to mount its
+ *    tmpfs over, as on the development machines) the simulated module's
+ *    knowledge built into the library stands in: every topology GPU is
+ *    listed, and the capability minors come from the host's mig-minors table
+ *    (mock_embedded_mig_minors), so the nodes alone decide.  "Can open" is open(2) succeeding or failing
+ *    with ENXIO/ENODEV: the simulated host has no kernel driver behind its
+ *    nodes, so a node the device cgroup allows answers ENXIO, and one it
+ *    refuses EPERM.  An instance's profile is the topology's (admin-made)
+ *    one where it lists that GI, else the GPU's first profile whose placement
+ *    fits the GI id (an instance made on demand after the build: its UUID is
+ *    exact, its profile name may not be).  MIG changes are
+ *    NVML_ERROR_NO_PERMISSION there (no mig/config capability), processes
+ *    and calls.log are absent, as their files are.
+ *
  * Topology format (line based; '#' comments and blank lines are ignored):
  *     mock-nvml-topology 1
  *     driver <driver version>                     e.g. 550.54.15
@@ -92,6 +128,7 @@
  * unchanged calls.log proves that no NVML call was made.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -412,6 +449,16 @@ struct topology {
     char mig_uuids[MOCK_MAX_GPUS][MOCK_GI_IDS][MOCK_CI_IDS][NVML_DEVICE_UUID_V2_BUFFER_SIZE];
 };
 
+/* The host's topology as the builder rendered it (mocknvml-topology.c). */
+extern const char mock_embedded_topology[];
+/* The host's /proc/driver/nvidia-caps/mig-minors ("" without MIG), for a root without the driver's procfs. */
+extern const char mock_embedded_mig_minors[];
+
+/* Which view init chose: 0 the host's (topology file), 1 the driver's (see the header). */
+static int g_driver_view;
+/* In the driver's view: whether <root>/proc/driver/nvidia exists (see the header). */
+static int g_have_procfs;
+
 /* Init/shutdown and topology (re)loading happen under g_lock.  Readers only
  * check g_refcount: the topology is rewritten solely on a 0 -> 1 init, when
  * no caller may legitimately hold a handle. */
@@ -523,7 +570,8 @@ __attribute__((destructor)) static void mock_nvml_unload(void)
 
 static nvmlReturn_t topology_error(unsigned int lineno, const char *why)
 {
-    fprintf(stderr, "mock-nvml: %s:%u: %s\n", g_topology_path, lineno, why);
+    const char *source = g_driver_view ? "(embedded topology)" : g_topology_path;
+    fprintf(stderr, "mock-nvml: %s:%u: %s\n", source, lineno, why);
     return NVML_ERROR_UNKNOWN;
 }
 
@@ -754,20 +802,15 @@ static nvmlReturn_t parse_line(struct topology *topo, char *line, unsigned int l
     return topology_error(lineno, "unknown record");
 }
 
-/* Reads the whole topology file into *topo. */
-static nvmlReturn_t load_topology(struct topology *topo)
+/* Reads a whole topology (the file, or the embedded copy) into *topo. */
+static nvmlReturn_t load_topology(struct topology *topo, FILE *file)
 {
     char line[512];
     unsigned int lineno = 0;
     int saw_header = 0;
     nvmlReturn_t ret = NVML_SUCCESS;
 
-    ensure_paths();
     memset(topo, 0, sizeof *topo);
-    /* No topology means no driver, which real NVML reports the same way. */
-    FILE *file = g_topology_path[0] ? fopen(g_topology_path, "re") : NULL;
-    if (file == NULL)
-        return NVML_ERROR_DRIVER_NOT_LOADED;
     while (ret == NVML_SUCCESS && fgets(line, sizeof line, file) != NULL) {
         size_t len = strlen(line);
         lineno++;
@@ -779,7 +822,6 @@ static nvmlReturn_t load_topology(struct topology *topo)
             line[--len] = '\0';
         ret = parse_line(topo, line, lineno, &saw_header);
     }
-    fclose(file);
     if (ret == NVML_SUCCESS && (!saw_header || topo->driver_version[0] == '\0' ||
                                 topo->nvml_version[0] == '\0' || topo->cuda_version <= 0))
         ret = topology_error(lineno, "missing header, driver, nvml or cuda record");
@@ -1087,6 +1129,118 @@ static int read_state_file(FILE *file)
     return 0;
 }
 
+/* ---- the driver's view (see the header) ----------------------------------- */
+
+/* Whether this process may use the node at root-relative path rel: open(2)
+ * works, or says there is no driver behind an allowed node (ENXIO, ENODEV). */
+static int node_usable(const char *rel)
+{
+    char path[PATH_MAX + 64];
+    struct stat st;
+
+    snprintf(path, sizeof path, "%s%s", g_root, rel);
+    if (stat(path, &st) != 0 || !S_ISCHR(st.st_mode))
+        return 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd >= 0) {
+        close(fd);
+        return 1;
+    }
+    return errno == ENXIO || errno == ENODEV;
+}
+
+/* The DeviceFileMinor of a MIG capability file (gi, or ci when ci >= 0), or -1 when it is absent. */
+static long cap_file_minor(unsigned int gpu_minor, unsigned int gi, int ci)
+{
+    char dir[PATH_MAX + 96], path[PATH_MAX + 128], line[128];
+    long minor = -1;
+
+    if (!g_have_procfs) {
+        /* The module's table: "gpu<minor>/gi<G>[/ci<C>]/access <minor>" lines. */
+        char want[96];
+        if (ci < 0)
+            snprintf(want, sizeof want, "\ngpu%u/gi%u/access ", gpu_minor, gi);
+        else
+            snprintf(want, sizeof want, "\ngpu%u/gi%u/ci%d/access ", gpu_minor, gi, ci);
+        const char *at = strstr(mock_embedded_mig_minors, want);
+        return at != NULL ? strtol(at + strlen(want), NULL, 10) : -1;
+    }
+    if (ci < 0)
+        snprintf(dir, sizeof dir, "%s/proc/driver/nvidia/capabilities/gpu%u/mig/gi%u", g_root, gpu_minor, gi);
+    else
+        snprintf(dir, sizeof dir, "%s/proc/driver/nvidia/capabilities/gpu%u/mig/gi%u/ci%d", g_root, gpu_minor, gi,
+                 ci);
+    snprintf(path, sizeof path, "%s/access", dir);
+    FILE *file = fopen(path, "re");
+    if (file == NULL)
+        return -1;
+    while (minor < 0 && fgets(line, sizeof line, file) != NULL)
+        if (sscanf(line, "DeviceFileMinor: %ld", &minor) != 1)
+            minor = -1;
+    fclose(file);
+    return minor;
+}
+
+/* Whether the process holds the capability of a GI (ci < 0) or CI: its file and its node. */
+static int cap_usable(unsigned int gpu_minor, unsigned int gi, int ci)
+{
+    char node[64];
+    long minor = cap_file_minor(gpu_minor, gi, ci);
+    if (minor < 0)
+        return 0;
+    snprintf(node, sizeof node, "/dev/nvidia-caps/nvidia-cap%ld", minor);
+    return node_usable(node);
+}
+
+/* The admin-made MIG record of (gpu, gi), or NULL. */
+static const struct nvmlDevice_st *static_gi(unsigned int gpu, unsigned int gi)
+{
+    for (unsigned int i = 0; i < g_topo.mig_total; i++)
+        if (g_topo.migs[i].parent == gpu && g_topo.migs[i].gpu_instance_id == gi)
+            return &g_topo.migs[i];
+    return NULL;
+}
+
+/* The MIG instances this process holds the capabilities of, as the tables. */
+static void seed_from_capabilities(void)
+{
+    clear_state();
+    for (unsigned int gpu = 0; gpu < g_topo.count; gpu++) {
+        const struct nvmlDevice_st *dev = &g_topo.devices[gpu];
+        if (dev->mig_mode != MOCK_MIG_ENABLED)
+            continue;
+        for (unsigned int gi = 0; gi < MOCK_GI_IDS; gi++) {
+            if (!cap_usable(dev->minor, gi, -1))
+                continue;
+            unsigned int start, size;
+            int profile = -1;
+            placement_of_gi(gi, &start, &size);
+            const struct nvmlDevice_st *admin = static_gi(gpu, gi);
+            if (admin != NULL && admin->static_profile >= 0) {
+                profile = admin->static_profile;
+                start = (unsigned int)admin->static_start;
+                size = g_topo.profiles[gpu][profile].memory_slices;
+            } else {
+                for (int p = 0; p < MOCK_GI_PROFILE_COUNT && profile < 0; p++) {
+                    const struct gi_profile *gp = &g_topo.profiles[gpu][p];
+                    if (gp->present && gp->memory_slices == size && (gp->starts & (1u << start)))
+                        profile = p;
+                }
+            }
+            add_gi(gpu, gi, profile, start, size);
+            /* One CI spanning the GI, as admin-made and MIG-on-demand instances have. */
+            unsigned int ci_profile = 0;
+            const struct gi_profile *gp = gi_profile_of(&g_gis[gpu][gi]);
+            for (unsigned int cp = 0; gp != NULL && cp < MOCK_CI_PROFILE_COUNT; cp++)
+                if (ci_profile_slices(cp) == gp->slices)
+                    ci_profile = cp;
+            for (unsigned int ci = 0; ci < MOCK_CI_IDS; ci++)
+                if (cap_usable(dev->minor, gi, (int)ci))
+                    add_ci(gpu, gi, ci, ci_profile, 0);
+        }
+    }
+}
+
 /* Brings the tables up to date with the host: mig-state if it exists (re-read
  * only when it was replaced), the topology's mig records otherwise.  Called
  * with g_mig_lock held. */
@@ -1094,6 +1248,15 @@ static void refresh_state(int force)
 {
     struct stat st;
     ensure_paths();
+    if (g_driver_view) {
+        /* What a container holds does not change under it: read once per init. */
+        if (force || g_state_source != 2) {
+            seed_from_capabilities();
+            index_migdevs();
+            g_state_source = 2;
+        }
+        return;
+    }
     if (g_state_path[0] == '\0' || stat(g_state_path, &st) != 0) {
         if (force || g_state_source != 0) {
             seed_from_topology();
@@ -1287,13 +1450,129 @@ static void caps_remove(unsigned int gpu_minor, unsigned int gi, int ci)
 
 /* ---- initialisation ----------------------------------------------------- */
 
+/* Whether a <root>/proc/driver/nvidia/gpus/<bus>/information file lists uuid. */
+static int procfs_lists_gpu(const char *uuid)
+{
+    char dir_path[PATH_MAX + 32], path[PATH_MAX + 320], line[256], listed[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    int found = 0;
+
+    if (!g_have_procfs)
+        return 1;
+    snprintf(dir_path, sizeof dir_path, "%s/proc/driver/nvidia/gpus", g_root);
+    DIR *dir = opendir(dir_path);
+    if (dir == NULL)
+        return 0;
+    for (struct dirent *entry = readdir(dir); entry != NULL && !found; entry = readdir(dir)) {
+        if (entry->d_name[0] == '.')
+            continue;
+        snprintf(path, sizeof path, "%s/%s/information", dir_path, entry->d_name);
+        FILE *file = fopen(path, "re");
+        if (file == NULL)
+            continue;
+        while (!found && fgets(line, sizeof line, file) != NULL)
+            found = sscanf(line, "GPU UUID: %95s", listed) == 1 && strcmp(listed, uuid) == 0;
+        fclose(file);
+    }
+    closedir(dir);
+    return found;
+}
+
+/* Keeps the GPUs the driver lists and the process can open, renumbered in
+ * topology order, with their profiles, MIG UUIDs and admin-made MIG records. */
+static void keep_usable_gpus(struct topology *topo)
+{
+    static struct topology kept; /* ~1 MiB: not on the stack; init holds g_lock */
+    int map[MOCK_MAX_GPUS];
+
+    memset(&kept, 0, sizeof kept);
+    memcpy(kept.driver_version, topo->driver_version, sizeof kept.driver_version);
+    memcpy(kept.nvml_version, topo->nvml_version, sizeof kept.nvml_version);
+    kept.cuda_version = topo->cuda_version;
+    for (unsigned int i = 0; i < topo->count; i++) {
+        char node[32];
+        struct nvmlDevice_st *dev = &topo->devices[i];
+        snprintf(node, sizeof node, "/dev/nvidia%u", dev->minor);
+        map[i] = -1;
+        if (!procfs_lists_gpu(dev->uuid) || !node_usable(node))
+            continue;
+        unsigned int j = kept.count++;
+        map[i] = (int)j;
+        kept.devices[j] = *dev;
+        kept.devices[j].index = j;
+        kept.devices[j].mig_count = 0;
+        memcpy(kept.profiles[j], topo->profiles[i], sizeof kept.profiles[j]);
+        memcpy(kept.mig_uuids[j], topo->mig_uuids[i], sizeof kept.mig_uuids[j]);
+    }
+    for (unsigned int m = 0; m < topo->mig_total; m++) {
+        struct nvmlDevice_st mig = topo->migs[m];
+        if (map[mig.parent] < 0)
+            continue;
+        struct nvmlDevice_st *parent = &kept.devices[map[mig.parent]];
+        mig.parent = (unsigned int)map[mig.parent];
+        mig.index = parent->mig_count;
+        parent->migs[parent->mig_count++] = kept.mig_total;
+        kept.migs[kept.mig_total++] = mig;
+    }
+    memcpy(topo, &kept, sizeof kept);
+}
+
+/* The driver's view's checks: a control node, usable, and the module's version where procfs has one. */
+static nvmlReturn_t check_driver(const struct topology *topo)
+{
+    char path[PATH_MAX + 48], line[256], version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
+    struct stat st;
+    int matches = 0;
+
+    snprintf(path, sizeof path, "%s/dev/nvidiactl", g_root);
+    if (stat(path, &st) != 0)
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    if (!node_usable("/dev/nvidiactl"))
+        return NVML_ERROR_NO_PERMISSION;
+    snprintf(path, sizeof path, "%s/proc/driver/nvidia", g_root);
+    g_have_procfs = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+    if (!g_have_procfs)
+        return NVML_SUCCESS;
+    snprintf(path, sizeof path, "%s/proc/driver/nvidia/version", g_root);
+    FILE *file = fopen(path, "re");
+    if (file == NULL)
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    /* "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  <build date>" */
+    if (fgets(line, sizeof line, file) != NULL &&
+        sscanf(line, "NVRM version: NVIDIA UNIX %*s Kernel Module %79s", version) == 1)
+        matches = strcmp(version, topo->driver_version) == 0;
+    fclose(file);
+    return matches ? NVML_SUCCESS : NVML_ERROR_LIB_RM_VERSION_MISMATCH;
+}
+
+/* Loads the topology of the view that applies: the host's file, or the embedded copy through the driver. */
+static nvmlReturn_t load_view(struct topology *topo)
+{
+    ensure_paths();
+    FILE *file = g_topology_path[0] ? fopen(g_topology_path, "re") : NULL;
+    g_driver_view = file == NULL;
+    if (file == NULL) {
+        /* A library copied to a root without procfs has no driver, which real NVML reports the same way. */
+        file = fmemopen((void *)mock_embedded_topology, strlen(mock_embedded_topology), "r");
+        if (file == NULL)
+            return NVML_ERROR_DRIVER_NOT_LOADED;
+    }
+    nvmlReturn_t ret = load_topology(topo, file);
+    fclose(file);
+    if (ret == NVML_SUCCESS && g_driver_view) {
+        ret = check_driver(topo);
+        if (ret == NVML_SUCCESS)
+            keep_usable_gpus(topo);
+    }
+    return ret;
+}
+
 static nvmlReturn_t init_common(void)
 {
     nvmlReturn_t ret = NVML_SUCCESS;
 
     pthread_mutex_lock(&g_lock);
     if (atomic_load(&g_refcount) == 0) {
-        ret = load_topology(&g_topo);
+        ret = load_view(&g_topo);
         pthread_mutex_lock(&g_mig_lock);
         refresh_state(1);
         pthread_mutex_unlock(&g_mig_lock);
@@ -1551,9 +1830,8 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned 
     return ret;
 }
 
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+static nvmlReturn_t pci_info(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
-    COUNT_CALL();
     nvmlReturn_t ret = check_gpu(device, pci);
     if (ret != NVML_SUCCESS)
         return ret;
@@ -1567,6 +1845,54 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInf
     pci->device = device->device;
     pci->pciDeviceId = device->pci_device_id;
     pci->pciSubSystemId = device->pci_subsystem_id;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    COUNT_CALL();
+    return pci_info(device, pci);
+}
+
+/* _v2 fills the same struct (the 8-digit-domain busId came with it). */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    COUNT_CALL();
+    return pci_info(device, pci);
+}
+
+/* nvmlPciInfo_t as the unversioned (pre-v2) call fills it: a 16-byte busId in
+ * the 4-digit-domain form, no busIdLegacy, four reserved words. */
+typedef struct {
+    char busId[NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE];
+    unsigned int domain;
+    unsigned int bus;
+    unsigned int device;
+    unsigned int pciDeviceId;
+    unsigned int pciSubSystemId;
+    unsigned int reserved0;
+    unsigned int reserved1;
+    unsigned int reserved2;
+    unsigned int reserved3;
+} nvmlPciInfo_v1_t;
+
+/* The unversioned symbol that older clients (NVIDIA's nvidia-container-cli among them) resolve. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_v1_t *pci)
+{
+    nvmlPciInfo_t full;
+    COUNT_CALL();
+    if (pci == NULL)
+        return check_gpu(device, pci);
+    nvmlReturn_t ret = pci_info(device, &full);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    memset(pci, 0, sizeof *pci);
+    memcpy(pci->busId, full.busIdLegacy, sizeof pci->busId);
+    pci->domain = full.domain;
+    pci->bus = full.bus;
+    pci->device = full.device;
+    pci->pciDeviceId = full.pciDeviceId;
+    pci->pciSubSystemId = full.pciSubSystemId;
     return NVML_SUCCESS;
 }
 
@@ -2163,7 +2489,8 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceRemainingCapacity(nvmlDevice_t 
  * like the real driver's (the mig/config capability is root's). */
 static nvmlReturn_t begin_change(int *lock_fd)
 {
-    if (geteuid() != 0)
+    /* In the driver's view the process holds no mig/config capability. */
+    if (geteuid() != 0 || g_driver_view)
         return NVML_ERROR_NO_PERMISSION;
     ensure_paths();
     int fd = g_state_lock_path[0] ? open(g_state_lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644) : -1;

@@ -15,8 +15,22 @@ LIB_DIR = "usr/lib/x86_64-linux-gnu"
 LIB32_DIR = "usr/lib/i386-linux-gnu"
 MOCK_NVML_SOURCE = Path(__file__).with_name("mocknvml.c")
 MPS_CONTROL_SOURCE = Path(__file__).with_name("mpscontrol.c")
+NVIDIA_SMI_SOURCE = Path(__file__).with_name("nvidiasmi.c")
+MODPROBE_SOURCE = Path(__file__).with_name("modprobe.c")
 #: Where the driver installs the MPS control daemon, relative to root.
 MPS_CONTROL = "usr/bin/nvidia-cuda-mps-control"
+#: nvidia-smi, an NVML client of whatever libnvidia-ml.so.1 it finds (nvidiasmi.c).
+NVIDIA_SMI = "usr/bin/nvidia-smi"
+#: The nvidia-modprobe stand-in (modprobe.c), which makes nodes under root/dev.
+NVIDIA_MODPROBE = "usr/bin/nvidia-modprobe"
+#: The library that carries an NT_GNU_ABI_TAG note, as NVIDIA's does (nvidia-container-cli checks it).
+ABI_TAGGED = "libnvidia-tls"
+#: The .note.ABI-tag NVIDIA's libnvidia-tls carries: owner "GNU", NT_GNU_ABI_TAG (1), OS Linux (0), ABI 2.3.99.
+_ABI_TAG_NOTE = (
+    '__asm__(".pushsection .note.ABI-tag, \\"a\\", @note\\n"\n'
+    '        ".balign 4\\n.long 4\\n.long 16\\n.long 1\\n.asciz \\"GNU\\"\\n"\n'
+    '        ".long 0\\n.long 2\\n.long 3\\n.long 99\\n.popsection\\n");\n'
+)
 
 # Marks a SONAME whose suffix is the full driver version (libnvidia-glcore.so.550.54.15).
 VER = "VER"
@@ -129,7 +143,16 @@ def _placeholder_source(lib: DriverLibrary, driver: str) -> str:
     return (
         f"/* Placeholder for NVIDIA's {lib.file_name(driver)} on a simulated GPU host. */\n"
         f'const char *{lib.marker_symbol}(void) {{ return "{driver} {lib.soname(driver)}"; }}\n'
+        + (_ABI_TAG_NOTE if lib.base == ABI_TAGGED else "")
     )
+
+
+def _c_string(text: str) -> str:
+    """text as a C string literal, one source line per line of text ("?" escaped: no trigraphs)."""
+    escaped = (
+        '"' + line.replace("\\", "\\\\").replace('"', '\\"').replace("?", "\\?") + '\\n"' for line in text.splitlines()
+    )
+    return "\n".join(escaped) or '""'
 
 
 def _build_placeholder(gcc: str, lib: DriverLibrary, driver: str, lib_dir: Path) -> None:
@@ -139,10 +162,15 @@ def _build_placeholder(gcc: str, lib: DriverLibrary, driver: str, lib_dir: Path)
     _run(argv, stdin=_placeholder_source(lib, driver))
 
 
-def _build_mock_nvml(gcc: str, driver: str, lib_dir: Path) -> None:
-    """Compiles mocknvml.c as the driver's libnvidia-ml."""
+def _build_mock_nvml(gcc: str, driver: str, lib_dir: Path, topology: str, mig_minors: str) -> None:
+    """Compiles mocknvml.c as the driver's libnvidia-ml, with *topology* and *mig_minors* built in (its driver's
+    view)."""
     out = lib_dir / NVML_LIBRARY.file_name(driver)
     soname = NVML_LIBRARY.soname(driver)
+    hidden = '__attribute__((visibility("hidden")))'
+    # mig-minors gets a leading newline so every record can be found as "\n<name> ".
+    embedded = (f"const char mock_embedded_topology[] {hidden} =\n{_c_string(topology)};\n"
+                f"const char mock_embedded_mig_minors[] {hidden} =\n{_c_string(chr(10) + mig_minors)};\n")
     _run(
         [
             gcc,
@@ -153,8 +181,33 @@ def _build_mock_nvml(gcc: str, driver: str, lib_dir: Path) -> None:
             "-o",
             str(out),
             str(MOCK_NVML_SOURCE),
-        ]
+            "-x",
+            "c",
+            "-",
+        ],
+        stdin=embedded,
     )
+
+
+def build_nvidia_smi(out: Path) -> None:
+    """Compiles nvidiasmi.c to *out* (0755): dynamic against glibc, as it dlopen()s libnvidia-ml.so.1."""
+    gcc = _gcc()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _run([gcc, "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(out), str(NVIDIA_SMI_SOURCE), "-ldl"])
+    out.chmod(0o755)
+
+
+def build_modprobe(out: Path, driver: str) -> None:
+    """Compiles modprobe.c, the nvidia-modprobe stand-in, to *out* (0755); static where libc.a exists."""
+    gcc = _gcc()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [gcc, "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", f'-DDRIVER_VERSION="{driver}"', "-o", str(out),
+            str(MODPROBE_SOURCE)]
+    try:
+        _run([*argv, "-static"])
+    except BuildError:  # no libc.a here
+        _run(argv)
+    out.chmod(0o755)
 
 
 def build_mps_control(out: Path) -> None:
@@ -185,8 +238,12 @@ def _build_placeholder32(gcc: str, lib: DriverLibrary, driver: str, lib_dir: Pat
     _run(argv, stdin=_placeholder_source(lib, driver))
 
 
-def build_libraries(root: Path, driver: str) -> None:
-    """Builds every driver library into root's lib dir (and the 32-bit ones into LIB32_DIR), in parallel."""
+def build_libraries(root: Path, driver: str, topology: str = "", mig_minors: str = "") -> None:
+    """Builds every driver library into root's lib dir (and the 32-bit ones into LIB32_DIR), in parallel.
+
+    *topology* and *mig_minors* are what the mock NVML answers from where its topology file is absent
+    (the driver's view: mocknvml.c).
+    """
     gcc = _gcc()
     lib_dir = root / LIB_DIR
     lib_dir.mkdir(parents=True, exist_ok=True)
@@ -199,7 +256,7 @@ def build_libraries(root: Path, driver: str) -> None:
     # One gcc per library is ~25 ms of mostly process start-up; running them
     # side by side keeps a whole host build well under a second.
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(_build_mock_nvml, gcc, driver, lib_dir)]
+        futures = [pool.submit(_build_mock_nvml, gcc, driver, lib_dir, topology, mig_minors)]
         futures += [
             pool.submit(_build_placeholder, gcc, lib, driver, lib_dir)
             for lib in DRIVER_LIBRARIES

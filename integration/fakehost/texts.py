@@ -1,4 +1,4 @@
-"""Text contents of the simulated host: procfs files, tool scripts, config."""
+"""Text contents of the simulated host: procfs files, tool scripts, config (nvidia-smi is nvidiasmi.c)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 import re
 from pathlib import Path
 
-from .mig import FakeMigDevice
 from .models import FakeGpu
 
 NVIDIA_MAJOR = 195
@@ -166,57 +165,6 @@ def proc_gpu_information(gpu: FakeGpu, driver: str) -> str:
         f"Device Minor: \t {gpu.minor}\n"
         f"GPU Firmware: \t {driver}\n"
         "GPU Excluded:\t No\n"
-    )
-
-
-def _smi_table(driver: str, cuda: str, gpus: tuple[FakeGpu, ...]) -> str:
-    """The top of nvidia-smi's default output: versions and one row per GPU."""
-    rule = "+-----------------------------------------+------------------------+----------------------+"
-    rows = [
-        rule[:1] + "-" * (len(rule) - 2) + rule[-1:],
-        f"| NVIDIA-SMI {driver:<22} Driver Version: {driver:<14} CUDA Version: {cuda:<9}|",
-        "|-----------------------------------------+------------------------+----------------------+",
-        "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |",
-        "|=========================================+========================+======================|",
-    ]
-    for gpu in gpus:
-        name = gpu.name if len(gpu.name) <= 28 else gpu.name[:25] + "..."
-        rows.append(f"| {gpu.index:3d}  {name:<28}   On  |   {gpu.pci_bus_id} Off |{0:>21} |")
-        rows.append(rule)
-    return "\n".join(rows) + "\n"
-
-
-def _smi_listing(gpus: tuple[FakeGpu, ...], mig_devices: tuple[FakeMigDevice, ...]) -> str:
-    """nvidia-smi -L: each GPU, then its MIG devices indented under it."""
-    lines = []
-    for gpu in gpus:
-        lines.append(f"GPU {gpu.index}: {gpu.name} (UUID: {gpu.uuid})\n")
-        lines += [
-            f"  MIG {mig.profile:<11} Device {mig.index:2d}: (UUID: {mig.uuid})\n"
-            for mig in mig_devices
-            if mig.parent_index == gpu.index
-        ]
-    return "".join(lines)
-
-
-def nvidia_smi_script(
-    driver: str, cuda: str, gpus: tuple[FakeGpu, ...], mig_devices: tuple[FakeMigDevice, ...] = ()
-) -> str:
-    """An nvidia-smi stand-in: the version table, or the -L list."""
-    listing = _smi_listing(gpus, mig_devices)
-    # Quoted here-documents: GPU names are printed verbatim, never expanded.
-    return (
-        "#!/bin/sh\n"
-        "# nvidia-smi stand-in on a gpuhook simulated GPU host (there is no GPU).\n"
-        'if [ "$1" = "-L" ] || [ "$1" = "--list-gpus" ]; then\n'
-        "cat <<'FAKEHOST_EOF'\n"
-        f"{listing}"
-        "FAKEHOST_EOF\n"
-        "exit 0\n"
-        "fi\n"
-        "cat <<'FAKEHOST_EOF'\n"
-        f"{_smi_table(driver, cuda, gpus)}"
-        "FAKEHOST_EOF\n"
     )
 
 

@@ -305,10 +305,10 @@ def test_gpu_identities_are_distinct_and_stable(host: FakeHost) -> None:
 
 def test_tools_firmware_and_socket(host: FakeHost) -> None:
     """Executable tool scripts, non-empty GSP firmware and the persistenced socket."""
-    for tool in ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced"):
+    for tool in ("nvidia-debugdump", "nvidia-persistenced"):
         path = host.root / "usr/bin" / tool
         assert path.read_text().startswith("#!/bin/sh\n") and os.access(path, os.X_OK), tool
-    for tool in ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"):
+    for tool in ("nvidia-smi", "nvidia-modprobe", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server"):
         assert os.access(host.root / "usr/bin" / tool, os.X_OK), tool
     smi = subprocess.run(
         [host.root / "usr/bin/nvidia-smi"], capture_output=True, text=True, check=True
