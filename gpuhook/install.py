@@ -257,19 +257,20 @@ def changes(engine: str, *, bin_dir: str, current: dict[str, str | None], python
             default: bool = False) -> tuple[Change, ...]:
     """Everything *engine* needs, given the current text of the files involved (by path).
 
-    *relay*: gpuhook-relay is installed in *bin_dir*, and under NVIDIA's hook name in the libexec
-    directory beside it (the packages' layout); hooks.d and docker ``--gpus`` then run those, which
-    run the Python hook only when gpuhookd does not serve a call. *runtime*: the runc wrapper to register
-    (default *bin_dir*'s gpuhook-runtime). *name* (default gpuhook) is the
-    runtime handler's name; for CRI-O, a *name* or *default* registers a runtime handler instead
+    *relay*: gpuhook-relay is installed in *bin_dir*, and under NVIDIA's hook and CLI names in the
+    libexec directory beside it (the packages' layout); hooks.d, docker ``--gpus`` and ctr ``--gpus``
+    then run those, which run the Python command only when gpuhookd does not serve a call.
+    *runtime*: the runc wrapper to register (default *bin_dir*'s gpuhook-runtime). *name* (default
+    gpuhook) is the runtime handler's name; for CRI-O, a *name* or *default* registers a runtime handler instead
     of the hooks.d files (never both: a container under that runtime would get gpuhook twice).
     """
     runtime, launcher = runtime or f"{bin_dir}/gpuhook-runtime", f"{bin_dir}/gpuhook-hook"
     hook_launcher = (Change(path=launcher, content=launcher_script(python), mode=0o755),) if python else ()
-    nvidia_hook = f"{bin_dir}/nvidia-container-runtime-hook"
+    nvidia_hook, nvidia_cli = f"{bin_dir}/nvidia-container-runtime-hook", f"{bin_dir}/nvidia-container-cli"
     if relay:
         launcher, hook_launcher = f"{bin_dir}/gpuhook-relay", ()
-        nvidia_hook = f"{bin_dir.rsplit('/', 1)[0]}/libexec/nvidia-container-runtime-hook"
+        libexec = f"{bin_dir.rsplit('/', 1)[0]}/libexec"
+        nvidia_hook, nvidia_cli = f"{libexec}/nvidia-container-runtime-hook", f"{libexec}/nvidia-container-cli"
     handler = registration(engine, runtime=runtime, current=current, name=name or DEFAULT_NAME,
                            default=default) if engine in ENGINE_CONFIGS else ()
     if engine == "docker":
@@ -283,7 +284,7 @@ def changes(engine: str, *, bin_dir: str, current: dict[str, str | None], python
         return (
             *handler,
             # `ctr run --gpus` runs nvidia-container-cli from ctr's PATH.
-            Change(path="/usr/local/bin/nvidia-container-cli", link_to=f"{bin_dir}/nvidia-container-cli"),
+            Change(path="/usr/local/bin/nvidia-container-cli", link_to=nvidia_cli),
         )
     if engine == "podman" and (name is not None or default):
         raise ConfigError("--name and --set-as-default name a runtime for docker, containerd and crio; podman runs "

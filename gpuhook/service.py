@@ -44,6 +44,7 @@ from gpuhook.planning.paths import libs32_dir, libs_dir
 from gpuhook.planning.plan import Plan
 from gpuhook.planning.planner import Target, live_needs, make_plan, plan_devices
 from gpuhook.request.model import GpuRequest, MigUuid
+from gpuhook.request.nvcli import PROG, Configure
 from gpuhook.request.parse import parse_request
 from gpuhook.sharing.allocate import Allocation, allocate
 from gpuhook.sharing.ledger import Holder, Lease, Ledger, MigRecord, MpsDaemon
@@ -185,13 +186,17 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
              peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
 
 
-def start_configure(config: Config, request: GpuRequest, container: Container, *, placement: Placement,
-                    front_end: str) -> None:
-    """``nvidia-container-cli configure``: a request from argv, for a container named only by pid and rootfs."""
+def start_configure(config: Config, call: Configure, *, served_by: str,
+                    ahead: ChildForkedAhead | None = None) -> None:
+    """``nvidia-container-cli configure`` (ctr run --gpus): a request from argv, for a container named only by
+    pid and rootfs, here or in gpuhookd's worker (*ahead*: its apply child, forked in advance)."""
     started = time.monotonic()
-    get_logger().bind(container_id=container.id, pid=container.pid, front_end=front_end)
-    _log_request(request)
-    start(config, request, container, placement=placement, started=started)
+    # containerd puts the rootfs at <state>/<namespace>/<id>/rootfs, so its parent names the container.
+    container = Container(id=call.rootfs.parent.name, pid=call.pid, rootfs=call.rootfs)
+    get_logger().bind(container_id=container.id, pid=container.pid, front_end=PROG, served_by=served_by)
+    _log_request(call.request)
+    start(config, call.request, container, started=started, ahead=ahead,
+          placement=Placement(manage_cgroups=not call.no_cgroups, cuda_compat=call.cuda_compat))
 
 
 def stop(config: Config, state_obj: Mapping[str, Any], *, served_by: str) -> None:

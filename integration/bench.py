@@ -55,10 +55,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from integration.benchdocker import measure_docker
 from integration.engines import default_spec, require_tool, run_container, unique_id, write_bundle
 from integration.fakehost import FakeHost, create_host
 from integration.gpuhookd import Gpuhookd
-from integration.relay import install_relay, runtime_for
+from integration.relay import install_relay, relay_for, runtime_for
 from integration.rootfs import build_rootfs, copy_rootfs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,6 +109,8 @@ class Scenario:
     poststop: bool = False
     #: the runc wrapper that runs the container (gpuhook-runtime, as docker --runtime nvidia runs it), or runc
     wrapper: Path | None = None
+    #: the hook's environment beyond PATH
+    hook_env: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -181,10 +184,11 @@ def make_spec(scenario: Scenario, wrapper: tuple[str, ...] = ()) -> dict[str, An
     hooks = None
     if scenario.hook_argv is not None:
         args = [*wrapper, *scenario.hook_argv]
-        hooks = {"prestart": [{"path": args[0], "args": args, "env": HOOK_ENV}]}
+        env = [*HOOK_ENV, *scenario.hook_env]
+        hooks = {"prestart": [{"path": args[0], "args": args, "env": env}]}
         if scenario.poststop:
             stop = [*scenario.hook_argv[:-1], "poststop"]
-            hooks["poststop"] = [{"path": stop[0], "args": stop, "env": HOOK_ENV}]
+            hooks["poststop"] = [{"path": stop[0], "args": stop, "env": env}]
     spec = default_spec("rootfs", ["/bin/true"], list(scenario.env), hooks=hooks, annotations={})
     if scenario.static is not None:
         spec["linux"]["devices"] = scenario.static["devices"]
@@ -246,6 +250,14 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
         return (str(python), "-I", str(LAUNCHER), "--config", str(config), "--daemon-socket",
                 socket or daemon_for(config), "prestart")
 
+    def ctr_hook(config: Path) -> tuple[str, ...]:
+        # What `ctr run --gpus 0..7` registers: containerd oci-hook fills in the pid and rootfs, then execs
+        # nvidia-container-cli (gpuhook-relay under that name, as the packages install it).
+        devices = ",".join(str(n) for n in range(8))
+        return (require_tool("containerd"), "oci-hook", "--", str(relay_for(relay, "nvidia-container-cli")),
+                "--daemon-socket", daemon_for(config), "--load-kmods", "configure", f"--device={devices}",
+                "--compute", "--utility", "--pid={{pid}}", "{{rootfs}}")
+
     def gpus(caps: str) -> tuple[str, ...]:
         return ("NVIDIA_VISIBLE_DEVICES=all", f"NVIDIA_DRIVER_CAPABILITIES={caps}")
 
@@ -270,6 +282,9 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
                  "start, destroyed at poststop (A100-40GB)", a100, ("NVIDIA_VISIBLE_DEVICES=0,mig=1g.5gb",
                                                                     f"NVIDIA_DRIVER_CAPABILITIES={COMPUTE}"),
                  hook(mig_cfg), poststop=True),
+        Scenario("ctr-gpu8", "ctr run --gpus 0..7 (containerd oci-hook → nvidia-container-cli configure, served by "
+                 "gpuhookd), compute,utility", hosts[8], hook_argv=ctr_hook(cfg[8]),
+                 hook_env=(f"GPUHOOK_CONFIG={cfg[8]}",), cached=True),
         Scenario("runtime-no-gpu", "gpuhook-runtime as the runtime (docker --runtime nvidia), container asks for "
                  "no GPU", hosts[8], wrapper=runtime_for(relay)),
         Scenario("runtime-gpu8", "gpuhook-runtime as the runtime, 8 GPUs compute,utility (its Python spec edit, "
@@ -412,8 +427,8 @@ def summarise(scenarios: Sequence[Scenario], samples: dict[str, Samples]) -> dic
     return out
 
 
-def check_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue #4's targets, each with the measured value and whether it is met."""
+def check_targets(results: dict[str, dict[str, Any]], docker: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issues' targets (#4, #19), each with the measured value and whether it is met."""
     rss = max(r[key] for r in results.values() if r is not results["python-floor"]
               for key in ("hook_peak_rss_mib", "worker_peak_rss_mib") if r[key] is not None)
     cached_calls = max(results[n]["nvml_calls_per_start"] for n in ("gpu1", "gpu8", "gpu64", "gpu8-all"))
@@ -421,6 +436,7 @@ def check_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         ("hook on a no-GPU container ≤ 1.5 × bare runc", results["no-gpu"]["ratio_vs_bare"], 1.5),
         ("gpuhook-runtime, container asks for no GPU ≤ 1.2 × bare runc", results["runtime-no-gpu"]["ratio_vs_bare"],
          1.2),
+        ("docker run --runtime nvidia, no GPU ≤ 1.2 × docker run --runtime runc", docker["ratio"], 1.2),
         ("8 GPUs compute,utility, valid cache ≤ 2.5 × bare runc", results["gpu8"]["ratio_vs_bare"], 2.5),
         ("64 GPUs ≤ 1.3 × the 8-GPU figure",
          round(results["gpu64"]["median_ms"] / results["gpu8"]["median_ms"], 3), 1.3),
@@ -495,7 +511,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 #: The GPU starts whose time is broken down step by step (issue #20: choose the next millisecond from data).
-PROFILED: Final = ("gpu8", "gpu8-all", "gpu64")
+PROFILED: Final = ("gpu8", "gpu8-all", "gpu64", "ctr-gpu8")
 
 
 def profile_lines(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -524,6 +540,21 @@ def profile_lines(results: dict[str, dict[str, Any]]) -> list[str]:
             cells[step].append(f"{profile.get(step, 0):g}")
     lines += [f"| {h} | " + " | ".join(cells[h]) + " |" for h in head]
     return lines
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """The report as people read it: the machine, the tables, the docker rows, the import profile."""
+    m, docker, imports = report["machine"], report["docker_no_gpu"], report["importtime_no_gpu"]
+    print(f"\n{report['date']}, {m['cpus']} CPUs ({m['cpu']}), Linux {m['kernel']}, {m['runc']}, "
+          f"Python {m['python']}; {report['runs']} runs each\n")
+    print(markdown(report))
+    print(f"docker run --rm of a no-GPU container, medians of {docker['runs']}: --runtime runc "
+          f"{docker['median_ms']['runc']} ms, --runtime nvidia (gpuhook-runtime) {docker['median_ms']['nvidia']} ms "
+          f"({docker['ratio']:.2f}×)\n")
+    print(f"the Python hook's no-GPU path, python -X importtime: {imports['modules']} modules, "
+          f"{imports['total_self_us'] / 1000:.1f} ms "
+          "of their own time (importtime's figures, inflated by its own bookkeeping); the largest:")
+    print(", ".join(f"{m['module']} {m['self_us'] / 1000:.1f}" for m in imports["top_self_us"]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -567,6 +598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any("request failed" in journal for journal in journals):
         raise BenchError(f"a gpuhookd request failed: {journals}")
     results = summarise(scenarios, samples)
+    print("docker run --runtime runc / nvidia, interleaved", file=sys.stderr)
+    docker = measure_docker(WORK, rootfs_src, runtime_for(relay), args.runs)
     imports = import_profile(python, WORK / "configs" / "host8.yaml", WORK)
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -574,19 +607,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine(),
         "runs": args.runs,
         "scenarios": results,
-        "targets": check_targets(results),
+        "docker_no_gpu": docker,
+        "targets": check_targets(results, docker),
         "importtime_no_gpu": imports,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    m = report["machine"]
-    print(f"\n{report['date']}, {m['cpus']} CPUs ({m['cpu']}), Linux {m['kernel']}, {m['runc']}, "
-          f"Python {m['python']}; {args.runs} runs each\n")
-    print(markdown(report))
-    print(f"the Python hook's no-GPU path, python -X importtime: {imports['modules']} modules, "
-          f"{imports['total_self_us'] / 1000:.1f} ms "
-          "of their own time (importtime's figures, inflated by its own bookkeeping); the largest:")
-    print(", ".join(f"{m['module']} {m['self_us'] / 1000:.1f}" for m in imports["top_self_us"]))
+    print_report(report)
     print(f"\nresults: {args.out}")
     shutil.rmtree(WORK, ignore_errors=True)
     shutil.rmtree(STATE_TMPFS, ignore_errors=True)

@@ -1,8 +1,9 @@
 """gpuhook-relay laid out as the packages install it, for tests and the benchmark.
 
 ``install_relay(bin_dir, python)`` builds relay/gpuhook-relay.c with relay/build.sh and installs
-it as ``bin/gpuhook-relay`` and ``libexec/nvidia-container-runtime-hook``, with the launchers
-they run when gpuhookd does not serve a call (``#!python -I``, no runpy, like the package's),
+it as ``bin/gpuhook-relay``, ``libexec/nvidia-container-runtime-hook`` and
+``libexec/nvidia-container-cli`` (ctr run --gpus), with the launchers they run when gpuhookd
+does not serve a call (``#!python -I``, no runpy, like the package's),
 and relay/gpuhook-runtime.c as ``libexec/gpuhook-runtime``, the runc wrapper's front-end, with
 the Python wrapper it runs for a GPU container's create, ``bin/gpuhook-runtime``.
 """
@@ -24,7 +25,8 @@ class RelayBuildError(RuntimeError):
 
 #: The Python commands a relay can stand for: (its file, relative to the prefix; the launcher's entry point).
 COMMANDS = {"gpuhook": ("bin/gpuhook-relay", "gpuhook"),
-            "nvidia-container-runtime-hook": ("libexec/nvidia-container-runtime-hook", "nvidia_hook")}
+            "nvidia-container-runtime-hook": ("libexec/nvidia-container-runtime-hook", "nvidia_hook"),
+            "nvidia-container-cli": ("libexec/nvidia-container-cli", "nvidia_cli")}
 #: The runc wrapper's front-end (the packages' /usr/bin/gpuhook-runtime and nvidia-container-runtime).
 RUNTIME: Final = "libexec/gpuhook-runtime"
 
@@ -37,10 +39,10 @@ def launcher_text(python: Path | str, entry: str = "gpuhook") -> str:
 def install_relay(bin_dir: Path, python: Path | str) -> Path:
     """Lay out the relays as the package does, for *python*; the path of bin/gpuhook-relay.
 
-    ``bin/gpuhook-relay`` and ``libexec/nvidia-container-runtime-hook`` (the same program: its file
-    name says which command it stands for), and the launchers they fall back to,
-    ``bin/gpuhook`` and ``bin/nvidia-container-runtime-hook``; ``libexec/gpuhook-runtime`` and the
-    Python wrapper it runs, ``bin/gpuhook-runtime``.
+    ``bin/gpuhook-relay``, ``libexec/nvidia-container-runtime-hook`` and ``libexec/nvidia-container-cli``
+    (the same program: its file name says which command it stands for), and the launchers they fall
+    back to, ``bin/gpuhook``, ``bin/nvidia-container-runtime-hook`` and ``bin/nvidia-container-cli``;
+    ``libexec/gpuhook-runtime`` and the Python wrapper it runs, ``bin/gpuhook-runtime``.
     """
     prefix = bin_dir.parent
     relay = bin_dir / "gpuhook-relay"

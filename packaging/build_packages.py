@@ -19,7 +19,8 @@ The install design (see packaging/nfpm.yaml):
 The launchers in ``/usr/lib/gpuhook/bin`` are three-line ``#!/usr/lib/gpuhook/bin/python -I``
 scripts (like packaging/gpuhook-hook), and ``/usr/bin``'s commands are symlinks to them. Beside
 them, ``gpuhook-relay`` (relay/gpuhook-relay.c, statically linked) is the hook hooks.d runs, and
-``libexec/nvidia-container-runtime-hook`` (the same program) the one /usr/bin's NVIDIA name links to;
+``libexec/nvidia-container-runtime-hook`` and ``libexec/nvidia-container-cli`` (the same program)
+the ones /usr/bin's NVIDIA names link to;
 ``libexec/gpuhook-runtime`` (relay/gpuhook-runtime.c) is the runc wrapper /usr/bin's gpuhook-runtime
 and nvidia-container-runtime link to.
 """
@@ -114,6 +115,7 @@ def build_venv(stage: Path) -> Path:
     run(REPO / "relay" / "build.sh", bin_dir / "gpuhook-relay")
     (venv / "libexec").mkdir()
     shutil.copy2(bin_dir / "gpuhook-relay", venv / "libexec" / "nvidia-container-runtime-hook")
+    shutil.copy2(bin_dir / "gpuhook-relay", venv / "libexec" / "nvidia-container-cli")  # ctr run --gpus
     # The runc wrapper's front-end (/usr/bin/gpuhook-runtime and nvidia-container-runtime link to it):
     # runc's calls but a GPU container's create start no interpreter either.
     run(REPO / "relay" / "build.sh", venv / "libexec" / "gpuhook-runtime", "gpuhook-runtime")

@@ -48,9 +48,10 @@ def runtime_program(bin_dir: Path) -> Path:
 
 
 def has_relays(bin_dir: Path) -> bool:
-    """Whether gpuhook-relay is installed in *bin_dir* and under NVIDIA's hook name in libexec beside it (the
+    """Whether gpuhook-relay is installed in *bin_dir* and under NVIDIA's names in libexec beside it (the
     packages' layout; integration/relay.py makes it too)."""
-    relays = (bin_dir / "gpuhook-relay", bin_dir.parent / "libexec" / "nvidia-container-runtime-hook")
+    libexec = bin_dir.parent / "libexec"
+    relays = (bin_dir / "gpuhook-relay", libexec / "nvidia-container-runtime-hook", libexec / "nvidia-container-cli")
     return all(path.is_file() for path in relays)
 
 

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from gpuhook import __version__, hookcall, service
 from gpuhook.config import resolve_config_path
 from gpuhook.daemon import trust, wire
-from gpuhook.errors import ConfigError, GpuHookError, SpecError, report_failure
+from gpuhook.errors import ConfigError, GpuHookError, SpecError, UsageError, report_failure
 from gpuhook.log import get_logger
+from gpuhook.request import nvcli
 from gpuhook.sys import fdpass
 
 TYPE_CHECKING = False
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 #: Loaded once in the parent besides every gpuhook module: NVML's binding for a cache miss and
 #: PyYAML for a config outside the flat subset. A worker may sit in another mount namespace,
 #: where this package's files need not exist, so a request must import nothing (a test checks).
-PRELOAD = ("pynvml", "yaml", "json", "pickle", "traceback")
+PRELOAD = ("pynvml", "yaml", "json", "pickle", "traceback", "argparse")
 #: The whole request, from its first byte to its last: a slow client costs only its own connection.
 READ_TIMEOUT = 5.0
 #: Sending the reply (at most wire.REPLY_LIMIT bytes, which a socket buffer holds): a hook that
@@ -109,7 +110,9 @@ class HookWork:
     """A request that needs GPU work in the hook's view: the hook's inputs, decoded, and the fds of that view."""
 
     fds: list[int]  # the hook's mnt, cgroup, pid and user namespaces, and its root
-    call: hookcall.HookCall
+    #: a hook's call, or nvidia-container-cli's ``configure`` (ctr run --gpus) relayed
+    call: hookcall.HookCall | nvcli.Configure
+    debug: bool
 
 
 Reply = tuple[bytes, int, str]
@@ -204,6 +207,8 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int],  # noqa: PLR0911 - 
             args = hookcall.HookArgs("prestart", config_arg, debug, None)
         else:
             version, argv, env, state_bytes = wire.decode_relay_parts(parts)
+            if argv[:1] == [nvcli.PROG]:
+                return _triage_cli(version, argv[1:], env, fds, config)
             spec_bytes = None
             relayed = hookcall.relayed_hook_args(argv)
             if relayed is None:  # --help, another command, a mistake: gpuhook's own CLI answers those
@@ -237,7 +242,31 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int],  # noqa: PLR0911 - 
     # A caller that passed the checks could act on any process itself: a state naming a host process
     # is refused here, as the in-process start refuses it, not handed back (nothing is gained by that).
     reason = trust.check_container(call.state.get("pid"), fds[0])
-    return (b"done", 1, report_failure(SpecError(reason)) + "\n") if reason else HookWork(fds, call)
+    return (b"done", 1, report_failure(SpecError(reason)) + "\n") if reason else HookWork(fds, call, args.debug)
+
+
+def _triage_cli(version: str, argv: list[str], env: dict[str, str], fds: list[int],
+                config: OwnConfig) -> Reply | HookWork:
+    """A relayed ``nvidia-container-cli`` (ctr run --gpus's hook): its ``configure`` is GPU work, checked as
+    the in-process CLI checks it; anything else (info, list, --version) is the Python CLI's to answer."""
+    if version != __version__:
+        return (b"declined", 0,
+                f"gpuhookd runs gpuhook {__version__}, the hook {version} (restart gpuhookd after an upgrade)")
+    try:
+        options, rest = nvcli.parse_globals(argv)
+        if rest[0] != "configure":
+            return b"declined", 0, f"not a configure call: {' '.join(rest)[:200]}"
+        call = nvcli.translate_configure(rest[1:])
+        nvcli.check_ctr_environment(env)
+    except UsageError as err:
+        return b"done", 2, f"{nvcli.PROG}: {err}\n{nvcli.USAGE}\n"
+    except GpuHookError as err:
+        return b"done", 1, report_failure(err) + "\n"
+    reason = trust.check_config(str(resolve_config_path(None, env)[0]), config.path)
+    if reason:
+        return b"declined", 0, reason
+    reason = trust.check_container(call.pid, fds[0])
+    return (b"done", 1, report_failure(SpecError(reason)) + "\n") if reason else HookWork(fds, call, options.debug)
 
 
 def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhead | None,
@@ -245,7 +274,7 @@ def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhe
     """Load the daemon's config, enter the hook's view, run the start as the in-process hook would, answer."""
     try:
         try:
-            config = own.load(work.call.args.debug)  # here, in the daemon's view: its log file, its roots
+            config = own.load(work.debug)  # here, in the daemon's view: its log file, its roots
         except GpuHookError as err:
             _send_quietly(conn, wire.encode_reply(b"done", 1, report_failure(err) + "\n"))
             return
@@ -263,12 +292,15 @@ def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhe
     _send_quietly(conn, wire.encode_reply(b"done", status, message))
 
 
-def run_start(call: hookcall.HookCall, config: Config,
+def run_start(call: hookcall.HookCall | nvcli.Configure, config: Config,
               ahead: service.ChildForkedAhead | None = None) -> tuple[int, str]:
-    """What the in-process hook would do with this call, under *config*: (exit status, stderr text)."""
+    """What the in-process hook (or CLI) would do with this call, under *config*: (exit status, stderr text)."""
     before = set(sys.modules)
     try:
-        service.start_hook(config, call.state, call.spec, served_by="gpuhookd", ahead=ahead)
+        if isinstance(call, nvcli.Configure):
+            service.start_configure(config, call, served_by="gpuhookd", ahead=ahead)
+        else:
+            service.start_hook(config, call.state, call.spec, served_by="gpuhookd", ahead=ahead)
     except GpuHookError as err:
         return 1, report_failure(err) + "\n"
     except Exception:  # noqa: BLE001 - a bug: the hook shows the traceback, as it would in-process

@@ -84,6 +84,7 @@ def test_deb_contents(packages: Packages) -> None:
         "/usr/lib/gpuhook/bin/gpuhook-relay", "/usr/lib/gpuhook/bin/gpuhook",
         "/usr/lib/gpuhook/libexec/nvidia-container-runtime-hook", "/usr/lib/gpuhook/bin/nvidia-container-runtime-hook",
         "/usr/bin/nvidia-container-runtime", "/usr/lib/gpuhook/libexec/gpuhook-runtime",
+        "/usr/lib/gpuhook/libexec/nvidia-container-cli", "/usr/lib/gpuhook/bin/nvidia-container-cli",
         "/usr/lib/gpuhook/bin/gpuhook-runtime",
     } <= files
     assert not any("/pip/" in f or f.endswith("/activate") for f in files)
