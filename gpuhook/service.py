@@ -608,14 +608,14 @@ def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec, *
 def _creating_nodes(config: Config, found: Found, rediscover: Callable[[], Found], plan: Callable[[Found], P]) -> P:
     """``plan(found)``; with load_kmods, each device node it finds missing is made first (nvidia-modprobe,
     as NVIDIA's load-kmods), then the host is read again and the plan made again."""
-    from gpuhook.discovery.host import driver_program
-    from gpuhook.provision import kmods
-
     tried: set[tuple[str, ...]] = set()
     while True:
         try:
             return plan(found)
         except MissingNodeError as missing:
+            from gpuhook.discovery.host import driver_program  # only now: kmods imports subprocess (~10 ms)
+            from gpuhook.provision import kmods
+
             if not config.load_kmods:
                 raise MissingNodeError(f"{missing} (load_kmods is off)", missing.modprobe) from None
             if missing.modprobe in tried:

@@ -346,6 +346,9 @@ def _logged_timings(log: Path | None, offset: int) -> dict[str, float]:
         elif event.get("event") == "applied":
             out["apply_ms"], out["total_ms"] = event["ms"], event["total_ms"]
             out.update({f"step:{step}": ms for step, ms in event.get("steps_ms", {}).items()})
+        elif event.get("event") == "request_served":  # gpuhookd's side of the exchange, around the start
+            out["served_ms"] = event["ms"]
+            out.update({f"served:{step}": ms for step, ms in event["steps_ms"].items() if step != "start"})
             if event.get("served_by") == "gpuhookd":
                 out["worker_rss_mib"] = event["peak_rss_mib"]
     return out
@@ -406,9 +409,11 @@ def summarise(scenarios: Sequence[Scenario], samples: dict[str, Samples]) -> dic
             found = [t[key] for t in got.log_ms if key in t]
             if found:
                 logged[key] = round(statistics.median(found), 2)
-        steps = dict.fromkeys(k for t in got.log_ms for k in t if k.startswith("step:"))
-        profile = {k.removeprefix("step:"): round(statistics.median(t.get(k, 0.0) for t in got.log_ms), 2)
-                   for k in steps}
+        steps = dict.fromkeys(k for t in got.log_ms for k in t if k.startswith(("step:", "served:")))
+        profile = {k.removeprefix("step:").replace("served:", "gpuhookd: "):
+                   round(statistics.median(t.get(k, 0.0) for t in got.log_ms), 2) for k in steps}
+        if any("served_ms" in t for t in got.log_ms):
+            logged["served_ms"] = round(statistics.median(t["served_ms"] for t in got.log_ms if "served_ms" in t), 1)
         out[scenario.name] = {
             "title": scenario.title,
             "runs": len(got.wall_ms),
@@ -515,15 +520,18 @@ PROFILED: Final = ("gpu8", "gpu8-all", "gpu64", "ctr-gpu8")
 
 
 def profile_lines(results: dict[str, dict[str, Any]]) -> list[str]:
-    """Where a GPU start's time goes, as a Markdown table: runc's own share, the relay↔gpuhookd exchange
-    (the hook's wall time less the worker's), and the worker's steps (medians; discovery and lease from
-    their own events, then plan, device cgroup, and the apply child's)."""
+    """Where a GPU start's time goes, as a Markdown table: runc's own share, the relay's outside gpuhookd
+    (the hook's wall time less the request's time in the worker), the worker's before the start (decode
+    and checks, hand-over, config and entering the hook's view), and the start's steps (medians;
+    discovery and lease from their own events, then plan, device cgroup, and the apply child's)."""
     bare = results["bare"]["median_ms"]
     rows = [name for name in PROFILED if results[name]["profile_ms_median"]]
     if not rows:
         return []
-    steps = list(dict.fromkeys(step for name in rows for step in results[name]["profile_ms_median"]))
-    head = ["runc's own (start − bare − hook)", "relay ↔ gpuhookd (hook − worker)", "discovery", "lease", *steps]
+    found = dict.fromkeys(step for name in rows for step in results[name]["profile_ms_median"])
+    steps = sorted(found, key=lambda step: not step.startswith("gpuhookd"))  # the worker's, then the start's
+    head = ["runc's own (start − bare − hook)", "relay outside gpuhookd (hook − served)", "discovery", "lease",
+            *steps]
     lines = ["Profile of the GPU path (median ms): " + ", ".join(f"`{name}`" for name in rows),
              "", "| step | " + " | ".join(results[name]["title"] for name in rows) + " |",
              "|---|" + "---:|" * len(rows)]
@@ -531,7 +539,7 @@ def profile_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     for name in rows:
         r = results[name]
         logged, profile = r["hook_log_ms_median"] or {}, r["profile_ms_median"]
-        hook, worker = r["hook_ms_median"], logged.get("total_ms")
+        hook, worker = r["hook_ms_median"], logged.get("served_ms")
         cells[head[0]].append(f"{r['median_ms'] - bare - hook:.1f}" if hook is not None else "–")
         cells[head[1]].append(f"{hook - worker:.1f}" if hook is not None and worker is not None else "–")
         cells["discovery"].append(f"{logged.get('discovery_ms', 0):g}")

@@ -25,8 +25,10 @@ A worker that outlives ``request_timeout`` is killed by SIGALRM; its own childre
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
+import itertools
 import os
 import pkgutil
 import signal
@@ -113,6 +115,9 @@ class HookWork:
     #: a hook's call, or nvidia-container-cli's ``configure`` (ctr run --gpus) relayed
     call: hookcall.HookCall | nvcli.Configure
     debug: bool
+    #: when its first byte was awaited and when it was decoded and checked (time.monotonic)
+    received: float = 0.0
+    triaged: float = 0.0
 
 
 Reply = tuple[bytes, int, str]
@@ -125,6 +130,7 @@ def handle(conn: socket.socket, *, request_timeout: float, config: OwnConfig) ->
     the worker, so after an answer it can take the next connection.
     """
     signal.alarm(max(1, int(request_timeout)))
+    received = time.monotonic()
     # The whole request is read before any reply, even one refusing it: closing a unix socket with
     # unread data resets the connection, and the peer would lose the reply.
     try:
@@ -143,7 +149,7 @@ def handle(conn: socket.socket, *, request_timeout: float, config: OwnConfig) ->
         _close_all(fds)
         raise
     if isinstance(reply, HookWork):
-        return reply  # it owns the fds now
+        return dataclasses.replace(reply, received=received, triaged=time.monotonic())  # it owns the fds now
     _close_all(fds)
     _answer(conn, reply)
     _log_answered(config)
@@ -271,7 +277,9 @@ def _triage_cli(version: str, argv: list[str], env: dict[str, str], fds: list[in
 
 def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhead | None,
                       own: OwnConfig) -> None:
-    """Load the daemon's config, enter the hook's view, run the start as the in-process hook would, answer."""
+    """Load the daemon's config, enter the hook's view, run the start as the in-process hook would, answer;
+    logging where the request's time went (``request_served``: the profile `make bench` prints)."""
+    serving = time.monotonic()
     try:
         try:
             config = own.load(work.debug)  # here, in the daemon's view: its log file, its roots
@@ -286,9 +294,15 @@ def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhe
         # The apply child was forked in the daemon's view: it takes the hook's mount namespace and root.
         ahead = (service.ChildForkedAhead(apply_child, mount_ns_fd=work.fds[0], root_fd=work.fds[4])
                  if apply_child else None)
+        starting = time.monotonic()
         status, message = run_start(work.call, config, ahead)
     finally:
         _close_all(work.fds)
+    # Logged before the reply (a tenth of a millisecond), so the event never lands after the hook's exit.
+    marks = {"receive": work.received, "triage": work.triaged, "handover": serving, "view": starting,
+             "start": time.monotonic()}
+    steps = {b: round((tb - ta) * 1000, 2) for (_, ta), (b, tb) in itertools.pairwise(marks.items())}
+    get_logger().info("request_served", ms=round((marks["start"] - work.received) * 1000, 2), steps_ms=steps)
     _send_quietly(conn, wire.encode_reply(b"done", status, message))
 
 
