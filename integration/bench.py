@@ -346,11 +346,11 @@ def _logged_timings(log: Path | None, offset: int) -> dict[str, float]:
         elif event.get("event") == "applied":
             out["apply_ms"], out["total_ms"] = event["ms"], event["total_ms"]
             out.update({f"step:{step}": ms for step, ms in event.get("steps_ms", {}).items()})
+            if event.get("served_by") == "gpuhookd":
+                out["worker_rss_mib"] = event["peak_rss_mib"]
         elif event.get("event") == "request_served":  # gpuhookd's side of the exchange, around the start
             out["served_ms"] = event["ms"]
             out.update({f"served:{step}": ms for step, ms in event["steps_ms"].items() if step != "start"})
-            if event.get("served_by") == "gpuhookd":
-                out["worker_rss_mib"] = event["peak_rss_mib"]
     return out
 
 
