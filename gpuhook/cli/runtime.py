@@ -108,10 +108,21 @@ def engine_environment(env: Mapping[str, str]) -> dict[str, str]:
             if not (key == "LD_LIBRARY_PATH" and set(value.split(":")) <= CONTAINERD_LIBRARY_PATH)}
 
 
-def hook_entry(config: str | None, stage: str = "prestart") -> dict[str, Any]:
-    """gpuhook's hook for *stage* as this interpreter runs it (absolute path, isolated, explicit env)."""
-    args = [sys.executable, "-I", "-m", "gpuhook", *(["--config", config] if config else []), stage]
-    return {"path": sys.executable, "args": args, "env": HOOK_ENV}
+def installed_relay() -> Path | None:
+    """gpuhook-relay beside this wrapper's launcher (the packages' ``bin/``, which ``libexec/gpuhook-runtime``
+    runs by absolute path), to register instead of the Python hook: gpuhookd then serves the start."""
+    launcher = Path(sys.argv[0])
+    relay = launcher.with_name("gpuhook-relay")
+    return relay if launcher.is_absolute() and relay.is_file() else None
+
+
+def hook_entry(config: str | None, stage: str = "prestart", relay: Path | None = None) -> dict[str, Any]:
+    """gpuhook's hook for *stage*: *relay* (gpuhook-relay, served by gpuhookd), else as this interpreter runs
+    it (absolute path, isolated); an explicit env either way."""
+    given = ["--config", config] if config else []
+    if relay is not None:
+        return {"path": str(relay), "args": [str(relay), *given, stage], "env": HOOK_ENV}
+    return {"path": sys.executable, "args": [sys.executable, "-I", "-m", "gpuhook", *given, stage], "env": HOOK_ENV}
 
 
 def add_hook(spec: dict[str, Any], hook: dict[str, Any], stage: str = "prestart") -> dict[str, Any]:
@@ -122,10 +133,10 @@ def add_hook(spec: dict[str, Any], hook: dict[str, Any], stage: str = "prestart"
     return spec
 
 
-def add_hooks(spec: dict[str, Any], config: str | None) -> dict[str, Any]:
+def add_hooks(spec: dict[str, Any], config: str | None, relay: Path | None = None) -> dict[str, Any]:
     """*spec* with gpuhook's hook first among the hooks of each of HOOK_STAGES (once each)."""
     for stage in HOOK_STAGES:
-        add_hook(spec, hook_entry(config, stage), stage)
+        add_hook(spec, hook_entry(config, stage, relay), stage)
     return spec
 
 
@@ -172,4 +183,4 @@ def _edit(bundle: Path, config: str | None) -> None:
     edited = service.render_spec_edit(settings, raw, spec, hook_follows=True)
     # The hooks go in whenever a GPU is asked for: the prestart one takes the lease (and places a
     # count=N request, which the spec edit leaves to it), the poststop one gives it back.
-    write_spec(path, add_hooks(dict(edited), config))
+    write_spec(path, add_hooks(dict(edited), config, installed_relay()))

@@ -11,6 +11,7 @@ import pytest
 
 from integration.engines import unique_id
 from integration.fakehost import FakeHost
+from integration.relay import runtime_for
 
 from .conftest import MakeContainer
 from .test_cgroups import EXPECTED, PROBE
@@ -76,3 +77,19 @@ def test_runtime_wrapper_edits_then_runs_runc(make_container: MakeContainer, hos
     assert EXPECTED | {"dlopen libcuda.so.1: OK"} <= {line.strip() for line in run.stdout.splitlines()}
     hooks = json.loads((container.bundle / "config.json").read_text())["hooks"]["prestart"]
     assert [h["args"][-1] for h in hooks] == ["prestart"]
+
+
+def test_the_runtime_front_end_registers_the_relay(make_container: MakeContainer, host: FakeHost,
+                                                   relay: Path) -> None:
+    """libexec/gpuhook-runtime as the packages install it: the GPU container's spec gets gpuhook-relay as its
+    prestart and poststop hook (served by gpuhookd where it runs; here its fallback, the Python hook)."""
+    container = make_container(PROBE + "; dltest libcuda.so.1", {"NVIDIA_VISIBLE_DEVICES": "1,3"}, hooks=[])
+    run = subprocess.run([str(runtime_for(relay)), "run", "--bundle", str(container.bundle), unique_id("front")],
+                         capture_output=True, text=True, timeout=60, check=False,
+                         env={"PATH": "/usr/bin:/bin", "GPUHOOK_CONFIG": str(host.config_path)})
+    assert run.returncode == 0, run.stderr
+    assert EXPECTED | {"dlopen libcuda.so.1: OK"} <= {line.strip() for line in run.stdout.splitlines()}
+    hooks = json.loads((container.bundle / "config.json").read_text())["hooks"]
+    assert [(h["path"], h["args"][1:]) for stage in ("prestart", "poststop") for h in hooks[stage]] == [
+        (str(relay), ["--config", str(host.config_path), "prestart"]),
+        (str(relay), ["--config", str(host.config_path), "poststop"])]

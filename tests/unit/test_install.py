@@ -155,6 +155,16 @@ def test_runtime_wrapper_adds_prestart_and_poststop_once() -> None:
     assert poststop["path"] == sys.executable and poststop["env"] == runtime.HOOK_ENV
 
 
+def test_runtime_wrapper_registers_the_relay_where_it_is_installed() -> None:
+    """With gpuhook-relay beside the wrapper (the packages' layout), the hooks are the relay's: gpuhookd serves
+    the start, and a poststop without a lease costs no interpreter."""
+    spec: dict[str, object] = {}
+    runtime.add_hooks(spec, None, Path("/usr/lib/gpuhook/bin/gpuhook-relay"))
+    relay = "/usr/lib/gpuhook/bin/gpuhook-relay"
+    assert spec["hooks"] == {stage: [{"path": relay, "args": [relay, stage], "env": runtime.HOOK_ENV}]
+                             for stage in ("prestart", "poststop")}
+
+
 def test_runtime_wrapper_edit_registers_poststop(tmp_path: Path, host: FakeHost) -> None:
     """A GPU container's config.json as the wrapper leaves it: the devices, one prestart and one poststop
     hook of gpuhook's, even when the bundle is edited twice; a container without GPUs gets neither."""
