@@ -33,6 +33,18 @@ from integration.engines import RunResult, require_tool
 
 #: A namespace of our own: containers, images and the v1 cgroup parent (/<namespace>/<id>) are apart.
 NAMESPACE: Final = "gpuhook-test"
+#: The /etc/containerd/config.toml Debian 12's containerd package ships (no `imports`), for tests that
+#: register gpuhook with it on a copy, so the host's own file is never touched nor relied on.
+DEBIAN_CONFIG: Final = """version = 2
+
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    [plugins."io.containerd.grpc.v1.cri".cni]
+      bin_dir = "/usr/lib/cni"
+      conf_dir = "/etc/cni/net.d"
+  [plugins."io.containerd.internal.v1.opt"]
+    path = "/var/lib/containerd/opt"
+"""
 _READY_TIMEOUT_S: Final = 20.0
 _STOP_TIMEOUT_S: Final = 10.0
 _CGROUP_ROOT: Final = Path("/sys/fs/cgroup")

@@ -41,35 +41,34 @@ def main() -> int:
     banner(f"simulated GPU host in {host.root}: gpuhook info")
     subprocess.run([*gpuhook, "info"], check=True)
 
-    bundle = WORK / "bundle"
-    bundle.mkdir()
-    copy_rootfs(build_rootfs(REPO / ".cache" / "rootfs"), bundle / "rootfs")
     hook = {"path": sys.executable, "args": [*gpuhook, "prestart"], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
-    env = ["PATH=/usr/local/bin:/usr/bin:/bin", "NVIDIA_VISIBLE_DEVICES=all",
-           "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
-    write_bundle(bundle, default_spec("rootfs", ["/bin/sh", "-c", INSIDE], env, hooks={"prestart": [hook]},
-                                      capabilities=["CAP_MKNOD"]))
-    banner("runc run: busybox with NVIDIA_VISIBLE_DEVICES=all, NVIDIA_DRIVER_CAPABILITIES=compute,utility")
-    result = run_container("runc", bundle, unique_id("demo"))
-    print(result.stdout, end="")
-    if result.returncode != 0:
-        print(result.stderr, file=sys.stderr)
-        return result.returncode
+    status = run_demo_container(
+        "runc run: busybox with NVIDIA_VISIBLE_DEVICES=all, NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+        "bundle", INSIDE, {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}, hook,
+        capabilities=["CAP_MKNOD"])
+    if status != 0:
+        return status
     banner(f"the hook's log: {host.root / 'gpuhook.log'} (last event)")
     print((host.root / "gpuhook.log").read_text().splitlines()[-1])
-    return show_one_gpu(host.root, hook)
-
-
-def show_one_gpu(root: Path, hook: dict[str, Any]) -> int:
-    """nvidia-smi -L on the host, then in a container given GPU 1 only: it sees exactly that GPU."""
+    # nvidia-smi -L on the host, then in a container given GPU 1 only: it sees exactly that GPU.
     banner("the host: nvidia-smi -L")
-    subprocess.run([root / "usr/bin/nvidia-smi", "-L"], check=True)
-    bundle = WORK / "bundle-gpu1"
+    subprocess.run([host.root / "usr/bin/nvidia-smi", "-L"], check=True)
+    return run_demo_container("runc run with NVIDIA_VISIBLE_DEVICES=1: nvidia-smi -L (NVML numbers what it sees "
+                              "from 0)", "bundle-gpu1", "nvidia-smi -L",
+                              {"NVIDIA_VISIBLE_DEVICES": "1", "NVIDIA_DRIVER_CAPABILITIES": "utility"}, hook)
+
+
+def run_demo_container(title: str, name: str, script: str, env: dict[str, str], hook: dict[str, Any],
+                       capabilities: list[str] | None = None) -> int:
+    """Run *script* in a fresh busybox bundle WORK/*name* with *env* and gpuhook's *hook*; print its output."""
+    bundle = WORK / name
     bundle.mkdir()
     copy_rootfs(build_rootfs(REPO / ".cache" / "rootfs"), bundle / "rootfs")
-    env = ["PATH=/usr/local/bin:/usr/bin:/bin", "NVIDIA_VISIBLE_DEVICES=1", "NVIDIA_DRIVER_CAPABILITIES=utility"]
-    write_bundle(bundle, default_spec("rootfs", ["/bin/sh", "-c", "nvidia-smi -L"], env, hooks={"prestart": [hook]}))
-    banner("runc run with NVIDIA_VISIBLE_DEVICES=1: nvidia-smi -L (NVML numbers what it sees from 0)")
+    spec = default_spec("rootfs", ["/bin/sh", "-c", script],
+                        ["PATH=/usr/local/bin:/usr/bin:/bin", *(f"{k}={v}" for k, v in env.items())],
+                        hooks={"prestart": [hook]}, capabilities=capabilities)
+    write_bundle(bundle, spec)
+    banner(title)
     result = run_container("runc", bundle, unique_id("demo"))
     print(result.stdout, end="")
     if result.returncode != 0:

@@ -134,12 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_environment(os.environ, fix="Run it from a shell or unit without them (env -u NAME ..., "
                                               "or the unit's Environment=/UnsetEnvironment=)")
         return _run_command(args)
-    except UsageError as err:
-        print(report_failure(err), file=sys.stderr)
-        return 2
     except GpuHookError as err:
         print(report_failure(err), file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, UsageError) else 1
     except BrokenPipeError:
         # `gpuhook plan | head`: the reader left; exit quietly instead of a traceback at shutdown.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

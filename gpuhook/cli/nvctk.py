@@ -101,12 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return done.code if isinstance(done.code, int) else 2
     try:
         return run(args, os.environ)
-    except UsageError as err:
-        print(report_failure(err), file=sys.stderr)
-        return 2
     except GpuHookError as err:
         print(report_failure(err), file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, UsageError) else 1
 
 
 def run(args: Any, env: Mapping[str, str]) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.containerd import Containerd
+from integration.containerd import DEBIAN_CONFIG, Containerd
 from integration.engines import host_mounts, leftover_cgroups, unique_id
 from integration.fakehost import FakeHost
 from integration.rootfs import build_rootfs
@@ -101,18 +101,6 @@ def test_ctr_with_python_env_is_refused(ctrd: Containerd, host: FakeHost, tmp_pa
     assert "the hook's environment sets LD_LIBRARY_PATH" in result.stderr and "env -i" in result.stderr
 
 
-# Debian 12's containerd package ships this /etc/containerd/config.toml (no `imports`): a copy, so the host's
-# own file is never touched nor relied on.
-DEBIAN_CONFIG = """version = 2
-
-[plugins]
-  [plugins."io.containerd.grpc.v1.cri"]
-    [plugins."io.containerd.grpc.v1.cri".cni]
-      bin_dir = "/usr/lib/cni"
-      conf_dir = "/etc/cni/net.d"
-  [plugins."io.containerd.internal.v1.opt"]
-    path = "/var/lib/containerd/opt"
-"""
 
 
 def _containerd_seeing(etc: Path, bindir: Path) -> Path:

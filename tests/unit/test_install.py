@@ -15,6 +15,7 @@ from gpuhook.cli import runtime
 from gpuhook.cli.install import run_install
 from gpuhook.errors import ConfigError
 from gpuhook.install import HOOKS_D_FILES, changes, containerd_config, docker_daemon_json, registration
+from integration.containerd import DEBIAN_CONFIG
 from integration.fakehost import FakeHost
 
 BIN = "/usr/lib/gpuhook/bin"
@@ -202,20 +203,10 @@ def test_a_hooks_d_file_formatted_another_way_is_left_alone(engine: str, tmp_pat
     assert not list(tmp_path.rglob("*.gpuhook-backup"))
 
 
-DEBIAN_CONTAINERD_TOML = """version = 2
-
-[plugins]
-  [plugins."io.containerd.grpc.v1.cri"]
-    [plugins."io.containerd.grpc.v1.cri".cni]
-      bin_dir = "/usr/lib/cni"
-      conf_dir = "/etc/cni/net.d"
-  [plugins."io.containerd.internal.v1.opt"]
-    path = "/var/lib/containerd/opt"
-"""
 
 
 @pytest.mark.parametrize(("current", "imports"), [
-    pytest.param(DEBIAN_CONTAINERD_TOML, ["/etc/containerd/conf.d/*.toml"], id="debian-12-package"),
+    pytest.param(DEBIAN_CONFIG, ["/etc/containerd/conf.d/*.toml"], id="debian-12-package"),
     pytest.param(None, ["/etc/containerd/conf.d/*.toml"], id="no-config"),
     pytest.param('# mine\nimports = ["/etc/other.toml"]  # kept\nversion = 2\n[plugins]\n',
                  ["/etc/other.toml", "/etc/containerd/conf.d/*.toml"], id="imports-of-its-own"),
@@ -247,10 +238,10 @@ def test_containerd_install_makes_the_drop_in_read(tmp_path: Path, capsys: pytes
     """On a Debian 12 host: the drop-in is written and config.toml imports it (a backup kept); twice: nothing."""
     config = tmp_path / "etc/containerd/config.toml"
     config.parent.mkdir(parents=True)
-    config.write_text(DEBIAN_CONTAINERD_TOML)
+    config.write_text(DEBIAN_CONFIG)
     run_install("containerd", dry_run=False, root=tmp_path, bin_dir=Path(BIN))
     assert "/etc/containerd/conf.d/*.toml" in tomllib.loads(config.read_text())["imports"]
-    assert (tmp_path / "etc/containerd/config.toml.gpuhook-backup").read_text() == DEBIAN_CONTAINERD_TOML
+    assert (tmp_path / "etc/containerd/config.toml.gpuhook-backup").read_text() == DEBIAN_CONFIG
     assert (tmp_path / "etc/containerd/conf.d/gpuhook.toml").exists()
     capsys.readouterr()
     run_install("containerd", dry_run=False, root=tmp_path, bin_dir=Path(BIN))
