@@ -41,6 +41,9 @@ CFG
 echo "== gpuhook info"; "$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" info 2>&1 | tee "$OUT/info.txt"
 echo "== gpuhook doctor"; "$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" doctor 2>&1 | tee "$OUT/doctor.txt"
 echo "== nvidia-smi on the host"; ("$DRIVER_ROOT/bin/nvidia-smi" -L 2>/dev/null || "$DRIVER_ROOT/usr/bin/nvidia-smi" -L 2>/dev/null || nvidia-smi -L) 2>&1 | tee "$OUT/smi.txt"
+echo "== NVIDIA's names on a real driver: nvidia-ctk cdi list, gpuhook config show"
+GPUHOOK_CONFIG="$WORK/gpuhook.yaml" "$(dirname "$PY")/nvidia-ctk" cdi list 2>&1 | tee "$OUT/nvctk-cdi-list.txt"
+"$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" config show 2>&1 | tee "$OUT/config-show.txt"
 
 if [ -z "$ROOTFS_SRC" ] || [ ! -x "$RUNC" ]; then
   echo "no rootfs or runc carried over; skipping the container part" | tee "$OUT/container.txt"
@@ -90,6 +93,9 @@ echo "== the lease ledger after the runs (every holder exited: gpuhookd released
 "$PY" -I -m gpuhook --config "$WORK/gpuhook.yaml" status 2>&1 | tee "$OUT/status.txt"
 kill "$DAEMON"; wait "$DAEMON" 2>/dev/null
 grep -c '"served_by": "gpuhookd"' "$OUT/gpuhook.log" | sed 's/^/log events served by gpuhookd: /' | tee -a "$OUT/timings.txt"
+# load_kmods: a driver whose nodes exist makes gpuhook run no nvidia-modprobe (0 expected)
+grep -c '"event": "node_created"' "$OUT/gpuhook.log" | sed 's/^/nodes made by nvidia-modprobe: /' | tee -a "$OUT/timings.txt"
+grep '"event": "request_served"' "$OUT/gpuhook.log" | tail -n 1 | tee -a "$OUT/timings.txt"
 
 echo "== MIG on demand (only where GPU 0 is already in MIG mode: gpuhook never changes MIG mode)"
 MIG_MODE=$("$DRIVER_ROOT/bin/nvidia-smi" -i 0 --query-gpu=mig.mode.current --format=csv,noheader 2>/dev/null \
