@@ -264,7 +264,7 @@ def registration_checks(views: Iterable[EngineView]) -> tuple[Check, ...]:
                              message=f"{view.source} runs gpuhook: {', '.join(view.handlers)}"))
         else:
             out.append(Check(name=name, verdict=Verdict.WARN,
-                             message=f"gpuhook is not registered ({view.source} shows no runtime or hook of gpuhook's)",
+                             message=f"gpuhook is not registered (no runtime or hook of gpuhook's in {view.source})",
                              fix=install))
     if absent:
         out.append(Check(name="engines", verdict=Verdict.OK,
