@@ -59,7 +59,7 @@ import json
 import os
 import stat
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from collections.abc import Sequence
 from typing import Final, Protocol
@@ -156,7 +156,10 @@ def fingerprint(identity: DriverIdentity) -> str:
     is exact and cheaper than importing hashlib on every container start, and the
     file then shows what its inventory was built for.
     """
-    return json.dumps([CACHE_FORMAT, asdict(identity)], sort_keys=True, separators=(",", ":"))
+    # Its fields hold only tuples of plain values, which json writes as asdict's lists would be, without
+    # asdict's recursive deep copy (~1 ms of every start with a valid cache).
+    fields = {name: getattr(identity, name) for name in DriverIdentity.__slots__}
+    return json.dumps([CACHE_FORMAT, fields], sort_keys=True, separators=(",", ":"))
 
 
 def encode_cache(key: str, inventory: Inventory) -> bytes:
