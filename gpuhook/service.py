@@ -178,9 +178,8 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
         log.warning("apply_skipped", what=what)
     for what in report.notes:
         log.debug("apply_note", what=what)
-    # The start's one info line (its steps are logged at debug): what it gave and how long it took.
-    # Peak memory of this process (the hook, or gpuhookd's worker); the apply child is not counted.
-    # steps_ms: the profile `make bench` prints (plan, device cgroup, then the apply child's steps)
+    # The start's one info line (its steps are logged at debug): what it gave, how long each step took (the
+    # profile `make bench` prints), and the peak memory of this process (not counting the apply child).
     log.info("applied", gpus=list(plan.gpus), ms=_ms(step), total_ms=_ms(started),
              steps_ms={**profile, **dict(report.steps_ms)},
              peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
