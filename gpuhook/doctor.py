@@ -106,20 +106,6 @@ def cgroup_checks(mode: str, driver: str) -> tuple[Check, ...]:
     return (version, Check(name="cgroup driver", verdict=Verdict.OK, message=driver), exposure)
 
 
-def engine_checks(installed: dict[str, bool], registered: dict[str, bool]) -> tuple[Check, ...]:
-    """For each container engine on the host: is gpuhook registered with it, and how to do it if not."""
-    out = []
-    for engine, present in installed.items():
-        if not present:
-            continue
-        if registered.get(engine):
-            out.append(Check(name=f"engine {engine}", verdict=Verdict.OK, message="gpuhook is registered"))
-        else:
-            out.append(Check(name=f"engine {engine}", verdict=Verdict.WARN, message="gpuhook is not registered",
-                             fix=f"gpuhook install --runtime {engine} (add --dry-run to see the change first)"))
-    return tuple(out)
-
-
 def cdi_checks(found: dict[str, Any], fresh: Any) -> tuple[Check, ...]:
     """Each gpuhook CDI spec on the host (path → parsed content) against a freshly rendered one."""
     out = []

@@ -68,12 +68,16 @@ def test_doctor_on_the_simulated_host(host: FakeHost, tmp_path: Path) -> None:
 
 
 def test_engine_checks_say_how_to_register() -> None:
-    """An installed engine without gpuhook gets the install command; absent engines are not mentioned."""
-    from gpuhook.doctor import engine_checks
+    """An installed engine without gpuhook gets the install command; absent engines get no check of their own."""
+    from gpuhook.doctor import EngineView, registration_checks
 
-    checks = engine_checks({"docker": True, "podman": True, "crio": False}, {"docker": True, "podman": False})
-    assert [(c.name, c.verdict) for c in checks] == [("engine docker", Verdict.OK), ("engine podman", Verdict.WARN)]
+    checks = registration_checks([
+        EngineView(engine="docker", installed=True, handlers=("nvidia",), source="docker info"),
+        EngineView(engine="podman", installed=True, source="hooks dirs"),
+        EngineView(engine="crio", installed=False)])
+    assert [(c.name, c.verdict) for c in checks][:2] == [("engine docker", Verdict.OK), ("engine podman", Verdict.WARN)]
     assert checks[1].fix.startswith("gpuhook install --runtime podman")
+    assert [c.name for c in checks[2:]] == ["engines"]
 
 
 def test_cdi_freshness() -> None:
