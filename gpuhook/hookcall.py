@@ -238,6 +238,9 @@ def lease_may_exist(config_arg: str | None, env: Mapping[str, str], container_id
     text = _read_small(path, b"" if path == _DEFAULT_CONFIG else None)
     if path == _DEFAULT_CONFIG and text == b"":  # gpuhook has none of its own: NVIDIA's may be the config
         text = _read_small(_NVIDIA_CONFIG, b"")
+        # Only its [gpuhook] table can move state_dir, and TOML can spell that key otherwise only with \u escapes.
+        if text is not None and not any(m in text for m in (b"state_dir", b"\\u", b"\\U")):
+            text = b""
     state_dir = _flat_state_dir(text) if text is not None else None
     if state_dir is None:
         return _MAY

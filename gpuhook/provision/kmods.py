@@ -22,7 +22,10 @@ CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 def create_node(modprobe: Path, args: tuple[str, ...], *, timeout: float) -> None:
     """Run ``modprobe args``; ProvisionError naming the command and its output when it fails."""
     command = " ".join((str(modprobe), *args))
-    st = os.stat(modprobe)
+    try:
+        st = os.stat(modprobe)
+    except OSError as err:
+        raise ProvisionError(f"load_kmods: cannot stat {modprobe}: {err.strerror or err}") from err
     if st.st_uid != 0 or st.st_mode & 0o022:
         raise ProvisionError(f"load_kmods: {modprobe} is not root's (owner uid {st.st_uid}, mode "
                              f"{st.st_mode & 0o7777:o}); gpuhook runs only a root-owned nvidia-modprobe that no one "
