@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpuhook import catalog
-from gpuhook.apply import ChildForkedAhead, ContainerRef, change_rootfs, grant_device_access, opened_container
+from gpuhook.apply import (ChildForkedAhead, ContainerRef, HostLdconfig, change_rootfs, grant_device_access,
+                           opened_container)
 from gpuhook.config import Config, HealthPolicy, load_config, read_config, resolve_config_path
 from gpuhook.discovery import Found, Outcome, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
@@ -169,7 +170,7 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
         if (ungrant := grant_device_access(plan, ref.pid)) is not None:
             undo.callback(ungrant)
         profile["cgroup"] = _ms(step)
-        report = change_rootfs(plan, pidfd, ref, ldconfig=config.ldconfig, timeout=config.timeout_seconds,
+        report = change_rootfs(plan, pidfd, ref, ldconfig=_host_ldconfig(config), timeout=config.timeout_seconds,
                                ahead=ahead)
         if holder is not None and config.state_dir is not None:
             leases.activate(config.state_dir, container.id, holder)
@@ -538,6 +539,17 @@ def update_ldcache_in(config: Config, rootfs: Path, dirs: Sequence[str]) -> None
     update_ldcache(config.ldconfig, rootfs, dirs, timeout=config.timeout_seconds)
 
 
+def _host_ldconfig(config: Config) -> HostLdconfig:
+    """The configured ldconfig and, where gpuhook writes the cache it would (asked once per binary,
+    ``ldprofile``), what it takes to: then no ldconfig runs."""
+    from gpuhook.apply.ldprofile import profile_for
+
+    answer = profile_for(config.ldconfig, config.cache_dir)
+    if answer.profile is None:
+        get_logger().debug("ldconfig_runs", why=answer.why_not)
+    return HostLdconfig(config.ldconfig, answer.profile)
+
+
 # --- gpuhookd's preparations ------------------------------------------------------------------------
 
 
@@ -547,7 +559,9 @@ def prepare_daemon(env: Mapping[str, str]) -> str:
 
     try:
         path, required = resolve_config_path(None, env)
-        seal_ahead(load_config(path, required=required).ldconfig)
+        config = load_config(path, required=required)
+        seal_ahead(config.ldconfig)
+        _host_ldconfig(config)  # asked now, so every worker forked after knows the answer
     except GpuHookError as err:
         return f"ldconfig not prepared ({err}); each request copies it"
     return ""

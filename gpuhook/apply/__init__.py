@@ -9,7 +9,9 @@ one fails, so a refused container leaves nothing behind):
    open every host mount source with ``open_tree`` while still in the host's
    namespace, enter the container's mount namespace through a pidfd, then
    create device nodes, attach the mounts, add the symlinks, mask
-   /proc/driver/nvidia, and finally run the host's ldconfig chrooted in the rootfs.
+   /proc/driver/nvidia, and finally write the container's ld.so.cache: by gpuhook itself
+   (``ldwrite``) where the host's ldconfig was found to write the same (``ldprofile``),
+   else by running that ldconfig, sandboxed and chrooted in the rootfs.
 
 The child reports back over a pipe as JSON; the parent turns a failure into
 an ``ApplyError`` naming the step and path. A child that made its changes then holds them,
@@ -37,6 +39,7 @@ import _socket
 from gpuhook.apply import cgroups
 from gpuhook.apply.children import wait_child
 from gpuhook.apply.ldconfig import LDCONFIG_DEADLINE_S, open_ldconfig, run_ldconfig
+from gpuhook.apply.ldwrite import LdconfigProfile, hidden_devices, write_ldcache
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.errors import ApplyError, error_from_dict
 from gpuhook.planning.plan import BindMount, CudaCompat, Plan, ProcDriverMount
@@ -48,6 +51,15 @@ if TYPE_CHECKING:
     from gpuhook.apply.cgroups import Undo
 
 _NO_PROC_DRIVER = "the container's /proc has no driver/nvidia (the NVIDIA kernel module is not loaded on this host)"
+
+
+@dataclass(frozen=True, slots=True)
+class HostLdconfig:
+    """The host's ldconfig, and what it was found to do (``ldprofile``): with a profile, gpuhook
+    writes the cache itself; without one, the binary runs sandboxed."""
+
+    path: Path
+    profile: LdconfigProfile | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,7 +155,7 @@ def grant_device_access(plan: Plan, pid: int) -> Undo | None:
     return cgroups.grant(cgroups.locate_device_cgroup(pid), plan.cgroup_rules)
 
 
-def change_rootfs(plan: Plan, pidfd: int, container: ContainerRef, *, ldconfig: Path, timeout: float,
+def change_rootfs(plan: Plan, pidfd: int, container: ContainerRef, *, ldconfig: HostLdconfig, timeout: float,
                   ahead: ChildForkedAhead | None = None) -> ApplyReport:
     """Step 2: the plan's nodes, mounts, symlinks, /proc mask and ldconfig, made in a child inside the
     container's mount namespace (*ahead*'s child if given, else a fresh one), which undoes its own
@@ -154,7 +166,7 @@ def change_rootfs(plan: Plan, pidfd: int, container: ContainerRef, *, ldconfig: 
     return changes.report
 
 
-def hold_rootfs_changes(plan: Plan, pidfd: int, container: ContainerRef, *, ldconfig: Path, timeout: float,
+def hold_rootfs_changes(plan: Plan, pidfd: int, container: ContainerRef, *, ldconfig: HostLdconfig, timeout: float,
                         ahead: ChildForkedAhead | None = None) -> RootfsChanges:
     """``change_rootfs`` for a caller with steps after it: the child holds its changes, undoable,
     until ``commit()`` (and undoes them if this process dies first, or no commit comes within
@@ -194,7 +206,7 @@ def _open_container(pid: int) -> int:
     return pidfd
 
 
-def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float,
+def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: HostLdconfig, timeout: float,
                ahead: ChildForkedAhead | None) -> RootfsChanges:
     """Fork (or hand the work to) the child that does the namespace work, and collect its report."""
     deadline = time.monotonic() + timeout
@@ -253,7 +265,7 @@ def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ah
 
 
 def _child_main(
-    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, out_fd: int,
+    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: HostLdconfig, timeout: float, out_fd: int,
     channel: _socket.socket, view: tuple[int, int] | None = None, ldconfig_ahead: ChildAhead | None = None,
 ) -> int:
     """Body of the forked child; returns its exit status after writing the JSON report and either
@@ -318,7 +330,7 @@ def _hold(fs: RootFs, channel: _socket.socket, deadline: float) -> bool:
 
 
 def _apply_in_container(
-    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: Path, timeout: float, ldconfig_ahead: ChildAhead | None,
+    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: HostLdconfig, timeout: float, ldconfig_ahead: ChildAhead | None,
     abort_fd: int, steps: dict[str, float], notes: list[str],
 ) -> tuple[RootFs, list[str]]:
     """Open host sources, enter the container, make every change; undo all on failure. *abort_fd*:
@@ -335,7 +347,8 @@ def _apply_in_container(
     trees = [_host_tree(m) for m in plan.mounts]
     proc_binds = (*plan.proc_driver.gpu_dirs, *plan.proc_driver.cap_files) if plan.proc_driver else ()
     proc_trees = [_host_tree(BindMount(source=host_path, target="")) for host_path, _ in proc_binds]
-    ldconfig_fd = open_ldconfig(ldconfig) if plan.ldconfig else None
+    native = ldconfig.profile
+    ldconfig_fd = open_ldconfig(ldconfig.path) if plan.ldconfig and native is None else None
     shared = _shared_namespaces(container.pid)  # read in the hook's view, before entering the container
     syscalls.setns(pidfd, syscalls.CLONE_NEWNS)
     fs = RootFs(_open_rootfs(container))
@@ -362,18 +375,23 @@ def _apply_in_container(
                     skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
         done("proc")
         dirs = _compat_first(fs, plan, notes)
-        if dirs and ldconfig_fd is not None:
+        if dirs and (ldconfig_fd is not None or native is not None):
             with _step("save", LD_SO_CACHE):
-                # ldconfig replaces the cache (through a temporary beside it): an undo puts the image's back.
+                # The cache is replaced through a temporary beside it: an undo puts the image's back.
                 fs.save_aside(LD_SO_CACHE)
                 fs.save_aside(LD_SO_CACHE + "~")
-                for directory, prefixes in _library_dirs(plan).items():
-                    fs.watch_links(directory, prefixes)
-            # Nothing in the image can block it (ldconfig._sandbox), so this is a backstop: at most half
-            # the budget (a hung ldconfig must fail inside this child, so rollback still runs).
-            run_ldconfig(ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared,
-                         timeout=min(timeout / 2, LDCONFIG_DEADLINE_S),
-                         ahead=ldconfig_ahead, abort_fd=abort_fd)
+                if native is None:  # ldwrite journals each link it changes; ldconfig's are found after
+                    for directory, prefixes in _library_dirs(plan).items():
+                        fs.watch_links(directory, prefixes)
+            # At most half the budget, so that a start stuck here (an image too large, or changed from
+            # outside while it is read) fails inside this child, and rollback still runs.
+            budget = min(timeout / 2, LDCONFIG_DEADLINE_S)
+            if native is not None:
+                with _step("ldconfig", " ".join(dirs)):
+                    write_ldcache(fs, dirs, native, hidden_devices(fs), deadline=time.monotonic() + budget)
+            else:
+                run_ldconfig(ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared, timeout=budget,
+                             ahead=ldconfig_ahead, abort_fd=abort_fd)
         done("ldconfig")
     except BaseException as err:
         leftovers = fs.rollback()

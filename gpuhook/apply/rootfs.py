@@ -55,6 +55,7 @@ class RootFs:
         #: what keeping the changes takes: unlinking the image's files that were set aside
         self._on_commit: list[Callable[[], None]] = []
         self._shared: frozenset[int] | None = None
+        self._mounts: tuple[mountinfo.MountInfo, ...] | None = None
         # Directories already resolved, by container path: one plan puts many files into a few
         # directories. Safe to reuse because everything mounted through this object is mounted
         # over a regular file, which cannot change how a directory path resolves.
@@ -284,12 +285,31 @@ class RootFs:
         self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=dir_fd))
         return True
 
+    def remove_link(self, dir_fd: int, name: str, path: str) -> None:
+        """Remove the symlink *name* in *dir_fd* (nothing else); an undo makes it again. Raises OSError."""
+        target = os.readlink(name, dir_fd=dir_fd)
+        os.unlink(name, dir_fd=dir_fd)
+        kept = os.dup(dir_fd)
+        self._record(f"restore the link {path}", lambda: os.symlink(target, name, dir_fd=kept))
+
+    def make_link(self, dir_fd: int, name: str, target: str, path: str) -> None:
+        """Create the symlink *name* → *target* in *dir_fd*; an undo removes it. Raises OSError."""
+        os.symlink(target, name, dir_fd=dir_fd)
+        kept = os.dup(dir_fd)
+        self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=kept))
+
+    def mounts(self) -> tuple[mountinfo.MountInfo, ...]:
+        """This namespace's mounts, read once."""
+        if self._mounts is None:
+            self._mounts = mountinfo.read_mountinfo()
+        return self._mounts
+
     def attach(self, tree_fd: int, target_fd: int, path: str) -> None:
         """move_mount the detached *tree_fd* onto *target_fd*, then verify the result."""
         want = os.fstat(tree_fd)
         parent = mountinfo.mount_id(target_fd)
         if self._shared is None:
-            self._shared = mountinfo.shared_mount_ids(mountinfo.read_mountinfo())
+            self._shared = mountinfo.shared_mount_ids(self.mounts())
         if parent in self._shared:
             # A mount under a shared mount propagates to its peers, which can be in the host's
             # namespace (rootfsPropagation "shared"): the host would see the driver files appear.

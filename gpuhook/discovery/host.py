@@ -11,7 +11,7 @@ from typing import Final
 from gpuhook import catalog
 from gpuhook.config import Config
 from gpuhook.discovery.hostroot import HostRoot
-from gpuhook.discovery.ldcache import LdCacheEntry, parse_ldcache
+from gpuhook.ldcache import LdCacheEntry, parse_ldcache
 from gpuhook.discovery.live import read_mig_layout
 from gpuhook.discovery.nodes import char_device
 from gpuhook.discovery.procdevices import parse_mig_minors, parse_proc_devices

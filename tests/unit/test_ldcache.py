@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuhook.discovery.ldcache import NEW_MAGIC, OLD_MAGIC, parse_ldcache
+from gpuhook.ldcache import NEW_MAGIC, OLD_MAGIC, parse_ldcache
 from gpuhook.errors import LdCacheFormatError
 import contextlib
 

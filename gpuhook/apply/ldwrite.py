@@ -1,0 +1,601 @@
+"""The container's ld.so.cache written by gpuhook, equal to what the host's ldconfig writes.
+
+Running ldconfig costs a start a fork, a mount namespace, a chroot and an exec (about 13 ms of
+a GPU start, ``make bench``). This module does ldconfig's work itself, the way glibc 2.36's
+elf/ldconfig.c does it when run as ``ldconfig -f /etc/ld.so.conf -C /etc/ld.so.cache DIR...``
+chrooted in the rootfs (``ldconfig.run_ldconfig``):
+
+* the directories: the command line's, then ``/etc/ld.so.conf`` with its ``include`` globs (in
+  C-locale order), then the host ldconfig's built-in system directories (``LdconfigProfile``,
+  read from the binary by ``ldprofile``); each counted once by device and inode, with its
+  ``glibc-hwcaps/*`` subdirectories and, found while scanning, its legacy hwcap subdirectories
+  (``x86_64``, ``haswell``, ``tls``, ...);
+* per directory, one library per SONAME (a file before a link, else the newer name), the SONAME
+  links it makes and the stale ``*.so.*`` links it removes, each change journalled in the
+  ``RootFs`` so that an undo puts the image back (ldconfig itself could not);
+* the cache, byte for byte (``ldcache.encode_ldcache``), through ``/etc/ld.so.cache~``
+  renamed over ``/etc/ld.so.cache``. ldconfig's fsync is left out: the cache belongs to a
+  container that a host crash ends anyway, and it costs a start milliseconds on a busy disk.
+  So is its auxiliary cache (``/var/cache/ldconfig/aux-cache``), which only speeds up the next
+  ldconfig run in the image.
+
+What the sandbox gave ldconfig, this keeps: every path is resolved inside the rootfs (openat2
+``RESOLVE_IN_ROOT``, no magic links), the rootfs's ``/proc``, ``/sys`` and ``/dev`` and every
+kernel pseudo filesystem read as absent (the sandbox mounted empty tmpfs over the first three),
+nothing but a regular file is opened for reading (a FIFO cannot block, a device node is never
+opened), and nothing in the image is executed. ``ldprofile`` checks this reading against the
+host's real ldconfig on a sample tree before a host uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import re
+import stat
+from dataclasses import dataclass, field
+from typing import Final
+
+from gpuhook.apply.ldelf import FLAG_ELF, FLAG_ELF_LIBC5, FLAG_ELF_LIBC6, FLAG_LIBC4, implicit_soname, read_library
+from gpuhook.apply.rootfs import RootFs
+from gpuhook.ldcache import CacheRecord, encode_ldcache, libcmp
+from gpuhook.errors import ApplyError
+from gpuhook.sys import pathrs
+
+_IN_ROOT: Final = pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS
+_FLAG_ANY: Final = -1
+_LIB_TYPES: Final = {b"libc4": FLAG_LIBC4, b"libc5": FLAG_ELF_LIBC5, b"libc6": FLAG_ELF_LIBC6,
+                     b"glibc2": FLAG_ELF_LIBC6}
+_CONF: Final = b"/etc/ld.so.conf"
+_CACHE_DIR: Final = "/etc"
+_CACHE: Final = "ld.so.cache"
+_GLIBC_HWCAPS: Final = b"glibc-hwcaps"
+#: x86's _dl_x86_hwcap_flags (bits 0-2, all "important" to ldconfig) and _dl_x86_platforms (from bit 48)
+_HWCAP_BITS: Final = {b"sse2": 0, b"x86_64": 1, b"avx512_1": 2, b"i586": 48, b"i686": 49, b"haswell": 50,
+                      b"xeon_phi": 51, b"tls": 63}
+#: Debian's ldconfig never repoints an existing link to a dynamic loader (local-ldconfig-ignore-ld.so.diff;
+#: its list lacks two commas, so three riscv/x32 names run together into one that matches nothing)
+_LOADER_SONAMES: Final = frozenset((
+    b"ld-kfreebsd-x86-64.so.1", b"ld-linux-aarch64.so.1", b"ld-linux-aarch64_be.so.1", b"ld-linux-armhf.so.3",
+    b"ld-linux-ia64.so.2", b"ld-linux-mipsn8.so.1",
+    b"ld-linux-riscv64-lp64.so.1ld-linux-riscv64-lp64d.so.1ld-linux-x32.so.2",
+    b"ld-linux-x86-64.so.2", b"ld-linux.so.2", b"ld-linux.so.3", b"ld.so.1", b"ld64.so.1", b"ld64.so.2",
+))
+#: what the sandbox's fresh namespace would not have shown: kernel filesystems
+_PSEUDO_FS: Final = frozenset(("proc", "sysfs", "devpts", "mqueue", "cgroup", "cgroup2", "debugfs", "tracefs",
+                               "securityfs", "bpf", "configfs", "fusectl", "pstore", "efivarfs", "binfmt_misc",
+                               "devtmpfs", "hugetlbfs", "nsfs", "autofs"))
+_HIDDEN_TOPS: Final = ("proc", "sys", "dev")
+#: include depth: ldconfig holds every file of an include chain open and stops at its 64 fds
+_MAX_INCLUDE_DEPTH: Final = 60
+_SPACE: Final = b" \t\n\v\f\r"
+_MAX_CONF: Final = 16 << 20
+_PRELINK: Final = re.compile(rb".*\.#prelink#(\.......)?\Z", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class LdconfigProfile:
+    """What a host's ldconfig does that no tree shows: its built-in directories, its name."""
+
+    #: add_system_dir()'s directories, in the order it adds them
+    system_dirs: tuple[bytes, ...]
+    #: the generator string it writes into each cache
+    generator: bytes
+
+
+@dataclass(slots=True)
+class _Dir:
+    """One directory to scan (ldconfig's struct dir_entry); *flag* changes when it is named again."""
+
+    path: bytes
+    flag: int
+    ident: tuple[int, int]
+    hwcaps: bytes | None = None
+
+
+@dataclass(slots=True)
+class _Lib:
+    """One SONAME's chosen file in a directory (struct dlib_entry)."""
+
+    name: bytes
+    soname: bytes
+    flag: int
+    is_link: bool
+    isa_level: int
+
+
+@dataclass(slots=True)
+class _Scan:
+    """One run's state: the directories, the cache records, the glibc-hwcaps names met."""
+
+    dirs: list[_Dir] = field(default_factory=list)
+    records: list[CacheRecord] = field(default_factory=list)
+    hwcaps_seen: set[bytes] = field(default_factory=set)
+
+
+def write_ldcache(fs: RootFs, dirs: tuple[str, ...], profile: LdconfigProfile, hidden: frozenset[int], *,
+                  deadline: float) -> int:
+    """Do what ``ldconfig -f /etc/ld.so.conf -C /etc/ld.so.cache *dirs*`` does in the rootfs of *fs*;
+    returns the number of libraries cached. *hidden*: the filesystems read as absent
+    (``hidden_devices``); *deadline*: a ``time.monotonic()`` past which it gives up (an image too
+    large to scan in time). Raises ApplyError where ldconfig would fail (no /etc to write into)."""
+    tree = _Tree(fs, hidden, deadline)
+    scan = _Scan()
+    for directory in dirs:
+        tree.add_dir(scan, os.fsencode(directory))
+    tree.parse_conf(scan, _CONF, 0)
+    for directory in profile.system_dirs:
+        tree.add_dir(scan, directory)
+    index = 0
+    while index < len(scan.dirs):  # scanning appends hwcap subdirectories, scanned in turn
+        tree.search_dir(scan, scan.dirs[index])
+        index += 1
+    tree.save(encode_ldcache(scan.records, scan.hwcaps_seen, profile.generator))
+    return len(scan.records)
+
+
+def hidden_devices(fs: RootFs) -> frozenset[int]:
+    """The st_dev of every mount the sandboxed ldconfig would not have seen: kernel filesystems, and
+    whatever is mounted at or under the rootfs's /proc, /sys and /dev (it covered those with tmpfs)."""
+    root = pathrs.fd_path(fs.root_fd).rstrip("/")
+    tops = tuple(f"{root}/{top}" for top in _HIDDEN_TOPS)
+    found = set()
+    for mount in fs.mounts():
+        point = mount.mount_point
+        if mount.fs_type in _PSEUDO_FS or any(point == t or point.startswith(t + "/") for t in tops):
+            major, _, minor = mount.device.partition(":")
+            found.add(os.makedev(int(major), int(minor)))
+    return frozenset(found)
+
+
+class _Tree:
+    """The rootfs as the chrooted ldconfig sees it."""
+
+    def __init__(self, fs: RootFs, hidden: frozenset[int], deadline: float) -> None:
+        self.fs = fs
+        self.root_fd = fs.root_fd
+        self.hidden = hidden
+        self.deadline = deadline
+
+    def check_time(self, path: bytes) -> None:
+        if time.monotonic() > self.deadline:
+            raise ApplyError("ldconfig", os.fsdecode(path), detail=(
+                "timed out scanning the image's libraries (it takes milliseconds): the image has too "
+                "many, or its directories changed while they were read"))
+
+    # -- looking -----------------------------------------------------------------------------------
+
+    def _open(self, path: bytes, flags: int) -> int | None:
+        """*path* opened inside the root (following symlinks there), or None: absent, unreachable,
+        or on a hidden filesystem."""
+        if not path:
+            return None
+        try:
+            fd = pathrs.openat2(self.root_fd, os.fsdecode(path), flags, _IN_ROOT)
+        except (OSError, ValueError):
+            return None
+        if os.fstat(fd).st_dev in self.hidden:
+            os.close(fd)
+            return None
+        return fd
+
+    def stat(self, path: bytes) -> os.stat_result | None:
+        """stat(2) in the chroot."""
+        fd = self._open(path, os.O_PATH)
+        if fd is None:
+            return None
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
+
+    def listing(self, path: bytes) -> list[_BytesEntry] | None:
+        """opendir + readdir, in the directory's own order (ldconfig's order matters), or None."""
+        opened = self.open_listing(path)
+        if opened is None:
+            return None
+        os.close(opened[0])
+        return opened[1]
+
+    def open_listing(self, path: bytes) -> tuple[int, list[_BytesEntry]] | None:
+        """The directory's fd (O_RDONLY, the caller closes it) and its listing, or None."""
+        fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
+        if fd is None:
+            return None
+        try:
+            with os.scandir(fd) as entries:
+                return fd, [_BytesEntry(e) for e in entries]
+        except OSError:
+            os.close(fd)
+            return None
+
+    def read_regular(self, path: bytes, dir_fd: int | None = None) -> tuple[int, int] | None:
+        """(an fd open for reading, its size) if *path* is a regular file, else None. It is opened
+        O_PATH, checked, then reopened through /proc/self/fd: exactly the file checked, and no
+        FIFO, socket or device is ever opened. With *dir_fd*, *path* is a name in that directory
+        that must not be a symlink (what its listing said)."""
+        if dir_fd is None:
+            fd = self._open(path, os.O_PATH)
+            if fd is None:
+                return None
+        else:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError:
+                return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY), st.st_size
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    # -- the configuration -------------------------------------------------------------------------
+
+    def parse_conf(self, scan: _Scan, filename: bytes, depth: int) -> None:
+        """parse_conf(): one directory per line, ``include`` globs, ``#`` comments, ``hwcap`` ignored."""
+        if depth >= _MAX_INCLUDE_DEPTH:
+            return
+        self.check_time(filename)
+        opened = self.read_regular(filename)
+        if opened is None:
+            return  # absent, unreadable, or not a file: ldconfig reads no line of it either
+        fd, size = opened
+        if size > _MAX_CONF:
+            os.close(fd)
+            raise ApplyError("ldconfig", os.fsdecode(filename), detail=(
+                f"is {size} bytes; a linker configuration over {_MAX_CONF >> 20} MiB is not read. Fix the image"))
+        try:
+            chunks = []
+            while chunk := os.read(fd, 1 << 16):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
+        for raw in data.split(b"\n")[:-1] if data.endswith(b"\n") else data.split(b"\n"):
+            line = raw.split(b"\0", 1)[0].split(b"#", 1)[0].lstrip(_SPACE)
+            if not line:
+                continue
+            if line.startswith(b"include") and line[7:8] in (b" ", b"\t"):
+                for pattern in re.split(rb"[ \t]", line[8:]):
+                    if pattern:
+                        self._include(scan, filename, pattern, depth)
+            elif line[:5].lower() == b"hwcap" and line[5:6] in (b" ", b"\t"):
+                continue
+            else:
+                self.add_dir(scan, line)
+
+    def _include(self, scan: _Scan, conf: bytes, pattern: bytes, depth: int) -> None:
+        if not pattern.startswith(b"/") and b"/" in conf:
+            pattern = os.path.dirname(conf) + b"/" + pattern
+        for match in self.glob(pattern):
+            self.parse_conf(scan, match, depth + 1)
+
+    def glob(self, pattern: bytes) -> list[bytes]:
+        """glob(3) with no flags, in the C locale: the sorted matches; a pattern without wildcards
+        is itself when something (even a dangling link) is there."""
+        parts = [p for p in pattern.split(b"/") if p]
+        found = [b"/" if pattern.startswith(b"/") else b""]
+        for part in parts:
+            if not _has_magic(part):
+                found = [_join(base, _unescape(part)) for base in found]
+                continue
+            matches = _fnmatch(part)
+            matched = []
+            for base in found:
+                names = [e.name for e in self.listing(base or b".") or ()]
+                if part.startswith(b"."):
+                    names += [b".", b".."]
+                matched += [_join(base, n) for n in names if matches(n)]
+            found = matched
+        if parts and not _has_magic(parts[-1]):
+            found = [f for f in found if self._lexists(f)]
+        return sorted(f for f in found if f not in (b"", b"/"))
+
+    def _lexists(self, path: bytes) -> bool:
+        fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
+
+    # -- the directories ---------------------------------------------------------------------------
+
+    def add_dir(self, scan: _Scan, line: bytes) -> None:
+        """add_dir_1(): ``PATH[=TYPE]``, trailing blanks and slashes dropped, counted once per inode."""
+        path, equal, kind = line.partition(b"=")
+        flag = _LIB_TYPES.get(kind, _FLAG_ANY) if equal else _FLAG_ANY
+        path = path.rstrip(_SPACE).rstrip(b"/")
+        if not path:
+            return
+        st = self.stat(path)
+        if st is None:
+            return
+        entry = _Dir(path, flag, (st.st_dev, st.st_ino))
+        if _add_single(scan, entry):
+            self._add_glibc_hwcaps(scan, entry)
+
+    def _add_glibc_hwcaps(self, scan: _Scan, entry: _Dir) -> None:
+        """add_glibc_hwcaps_subdirectories(): each directory under PATH/glibc-hwcaps, not nested."""
+        base = entry.path + b"/" + _GLIBC_HWCAPS
+        for sub in self.listing(base) or ():
+            name = sub.name
+            if name.startswith(b".") or sub.is_file(follow_symlinks=False) or b":" in name:
+                continue
+            st = self.stat(base + b"/" + name)
+            if st is None or not stat.S_ISDIR(st.st_mode):
+                continue
+            scan.hwcaps_seen.add(name)
+            _add_single(scan, _Dir(base + b"/" + name, entry.flag, (st.st_dev, st.st_ino), hwcaps=name))
+
+    def search_dir(self, scan: _Scan, entry: _Dir) -> None:
+        """search_dir(): choose each SONAME's library, make its link, record it for the cache."""
+        hwcap = _path_hwcap(entry.path) if entry.hwcaps is None else 0
+        opened = self.open_listing(entry.path)
+        if opened is None:
+            return
+        dir_fd, listing = opened
+        try:
+            dlibs: list[_Lib] = []
+            for item in listing:
+                self.check_time(entry.path)
+                self._consider(scan, entry, dir_fd, item, dlibs)
+            for lib in reversed(dlibs):  # ldconfig adds at the head of its list and walks from there
+                if entry.hwcaps is None:
+                    if not lib.is_link:
+                        self._create_links(dir_fd, entry.path, lib.name, lib.soname)
+                    filename = lib.soname
+                else:
+                    filename = lib.name
+                scan.records.append(CacheRecord(lib.soname, entry.path + b"/" + filename, lib.flag, hwcap,
+                                                entry.hwcaps, lib.isa_level))
+        finally:
+            os.close(dir_fd)
+
+    def _consider(self, scan: _Scan, entry: _Dir, dir_fd: int, item: _BytesEntry, dlibs: list[_Lib]) -> None:
+        """One directory entry, as search_dir's loop body."""
+        name = item.name
+        is_link = item.is_symlink()
+        is_reg = not is_link and item.is_file(follow_symlinks=False)
+        is_dir = not is_link and item.is_dir(follow_symlinks=False)
+        if not (is_link or is_reg or is_dir):
+            return  # FIFOs, sockets, device nodes
+        if not _is_dso(name) and (is_reg or (entry.hwcaps is None and name not in _HWCAP_BITS)):
+            return
+        if _PRELINK.match(name):
+            return
+        file_name = entry.path + b"/" + name
+        target: os.stat_result | None = None
+        if is_link:
+            target = self.stat(file_name)
+            if target is None:
+                if b".so." in name:
+                    self._remove_stale(dir_fd, entry.path, name)
+                return
+            is_dir = stat.S_ISDIR(target.st_mode)
+        if entry.hwcaps is None and is_dir and name in _HWCAP_BITS:
+            st = target if target is not None else self.stat(file_name)
+            if st is not None:
+                _add_single(scan, _Dir(file_name, entry.flag, (st.st_dev, st.st_ino)))
+            return
+        if not is_reg and not is_link:
+            return
+        opened = self.read_regular(file_name) if is_link else self.read_regular(name, dir_fd)
+        if opened is None:
+            return
+        fd, size = opened
+        try:
+            info = read_library(fd, size, name)
+        finally:
+            os.close(fd)
+        if info is None:
+            return
+        flag = info.flags
+        soname = info.soname if info.soname is not None else implicit_soname(name, flag)
+        if is_link and name != soname and not (len(name) >= 3 and name.endswith(b".so") and soname.startswith(name)):
+            is_link = False
+        if is_link:
+            soname = name
+        if flag == FLAG_ELF and entry.flag in (FLAG_ELF_LIBC5, FLAG_ELF_LIBC6):
+            flag = entry.flag
+        for lib in dlibs:
+            if lib.soname != soname:
+                continue
+            if (not is_link and lib.is_link) or (is_link == lib.is_link and libcmp(lib.name, name) < 0):
+                if lib.flag != flag:
+                    if lib.flag == FLAG_ELF and flag in (FLAG_ELF_LIBC5, FLAG_ELF_LIBC6):
+                        lib.flag = flag
+                    elif lib.flag in (FLAG_ELF_LIBC5, FLAG_ELF_LIBC6) and flag == FLAG_ELF:
+                        lib.flag = flag
+                lib.name, lib.is_link, lib.isa_level = name, is_link, info.isa_level
+            return
+        dlibs.append(_Lib(name, soname, flag, is_link, info.isa_level))
+
+    # -- the image's links -------------------------------------------------------------------------
+
+    def _create_links(self, dir_fd: int, path: bytes, libname: bytes, soname: bytes) -> None:
+        """create_links(): make SONAME a link to the library unless it already leads there (or is
+        a file, or Debian's ldconfig keeps it: a loader's name)."""
+        so_st = self.stat(path + b"/" + soname)
+        do_remove = True
+        if so_st is not None:
+            lib_st = self.stat(path + b"/" + libname)
+            if lib_st is None:
+                return
+            if soname in _LOADER_SONAMES or (lib_st.st_dev, lib_st.st_ino) == (so_st.st_dev, so_st.st_ino):
+                return
+            if not _is_link(dir_fd, soname):
+                return  # "is not a symbolic link": left as it is
+        elif not _is_link(dir_fd, soname):
+            do_remove = False
+        shown = os.fsdecode(path + b"/" + soname)
+        with contextlib.suppress(OSError):  # ldconfig: "Can't link ..." and goes on
+            if do_remove:
+                self.fs.remove_link(dir_fd, os.fsdecode(soname), shown)
+            self.fs.make_link(dir_fd, os.fsdecode(soname), os.fsdecode(libname), shown)
+
+    def _remove_stale(self, dir_fd: int, path: bytes, name: bytes) -> None:
+        """A ``*.so.*`` link that leads nowhere goes (ldconfig removes stale links)."""
+        with contextlib.suppress(OSError):
+            self.fs.remove_link(dir_fd, os.fsdecode(name), os.fsdecode(path + b"/" + name))
+
+    # -- the cache ---------------------------------------------------------------------------------
+
+    def save(self, data: bytes) -> None:
+        """save_cache(): /etc/ld.so.cache~ (0600, then 0644) renamed over /etc/ld.so.cache."""
+        temp = _CACHE + "~"
+        try:
+            dir_fd = pathrs.openat2(self.root_fd, _CACHE_DIR, os.O_PATH | os.O_DIRECTORY, _IN_ROOT)
+        except OSError as err:
+            raise ApplyError("write", f"{_CACHE_DIR}/{temp}", errno_=err.errno,
+                             detail="ldconfig cannot create its temporary cache file either") from err
+        try:
+            # Whatever the image has at the temporary name (a FIFO or a device node would block or act
+            # on open) was set aside before this step; it goes, and the file is created afresh.
+            try:
+                os.unlink(temp, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fchmod(fd, 0o644)
+            finally:
+                os.close(fd)
+            os.rename(temp, _CACHE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError as err:
+            raise ApplyError("write", f"{_CACHE_DIR}/{_CACHE}", errno_=err.errno) from err
+        finally:
+            os.close(dir_fd)
+
+
+class _BytesEntry:
+    """A str DirEntry seen as ldconfig sees names: bytes."""
+
+    __slots__ = ("_entry", "name")
+
+    def __init__(self, entry: os.DirEntry[str]) -> None:
+        self._entry = entry
+        self.name = os.fsencode(entry.name)
+
+    def is_symlink(self) -> bool:
+        return self._entry.is_symlink()
+
+    def is_file(self, *, follow_symlinks: bool = True) -> bool:
+        return self._entry.is_file(follow_symlinks=follow_symlinks)
+
+    def is_dir(self, *, follow_symlinks: bool = True) -> bool:
+        return self._entry.is_dir(follow_symlinks=follow_symlinks)
+
+
+def _add_single(scan: _Scan, entry: _Dir) -> bool:
+    """add_single_dir(): False (and the first one takes the newer type) if the inode is listed already."""
+    for known in scan.dirs:
+        if known.ident == entry.ident:
+            known.flag = entry.flag
+            return False
+    scan.dirs.append(entry)
+    return True
+
+
+def _is_link(dir_fd: int, name: bytes) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _is_dso(name: bytes) -> bool:
+    """_dl_is_dso(): lib*.so*, ld-*.so*, ld.so.*, ld64.so.*."""
+    return ((name.startswith((b"lib", b"ld-")) and b".so" in name)
+            or name.startswith((b"ld.so.", b"ld64.so.")))
+
+
+def _path_hwcap(path: bytes) -> int:
+    """path_hwcap(): the hwcap bits of the trailing hwcap components of *path*."""
+    hwcap = 0
+    parts = path.split(b"/")
+    while len(parts) > 1:
+        bit = _HWCAP_BITS.get(parts[-1])
+        if bit is None:
+            break
+        hwcap += 1 << bit
+        parts.pop()
+    return hwcap
+
+
+def _join(base: bytes, name: bytes) -> bytes:
+    if not base:
+        return name
+    return base + name if base.endswith(b"/") else base + b"/" + name
+
+
+def _has_magic(part: bytes) -> bool:
+    return any(c in part for c in (b"*", b"?", b"["))
+
+
+def _unescape(part: bytes) -> bytes:
+    return re.sub(rb"\\(.)", rb"\1", part)
+
+
+def _fnmatch(pattern: bytes) -> _Matcher:
+    """fnmatch(3) with FNM_PERIOD (glob's flags): a leading dot only matches a literal one."""
+    regex = re.compile(_translate(pattern), re.DOTALL)
+    literal_dot = pattern.startswith(b".") or pattern.startswith(b"\\.")
+    return _Matcher(regex, literal_dot)
+
+
+@dataclass(frozen=True, slots=True)
+class _Matcher:
+    regex: re.Pattern[bytes]
+    literal_dot: bool
+
+    def __call__(self, name: bytes) -> bool:
+        if name.startswith(b".") and not self.literal_dot:
+            return False
+        return self.regex.fullmatch(name) is not None
+
+
+def _translate(pattern: bytes) -> bytes:
+    """A glob component as a regular expression: ``*``, ``?``, ``[...]`` (``!``/``^`` negate), ``\\x``."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i:i + 1]
+        i += 1
+        if c == b"*":
+            out.append(b".*")
+        elif c == b"?":
+            out.append(b".")
+        elif c == b"\\" and i < len(pattern):
+            out.append(re.escape(pattern[i:i + 1]))
+            i += 1
+        elif c == b"[":
+            j = i
+            if j < len(pattern) and pattern[j:j + 1] in (b"!", b"^"):
+                j += 1
+            if j < len(pattern) and pattern[j:j + 1] == b"]":
+                j += 1
+            while j < len(pattern) and pattern[j:j + 1] != b"]":
+                j += 1
+            if j >= len(pattern):
+                out.append(re.escape(c))  # no closing bracket: a literal [
+                continue
+            body = pattern[i:j]
+            i = j + 1
+            negate = body[:1] in (b"!", b"^")
+            if negate:
+                body = body[1:]
+            items = body.replace(b"\\", b"\\\\").replace(b"]", b"\\]").replace(b"[", b"\\[")
+            out.append(b"[" + (b"^" if negate else b"") + items + b"]")
+        else:
+            out.append(re.escape(c))
+    return b"".join(out)
+
+
