@@ -65,6 +65,9 @@ class Config:
     proc_root: Path = Path("/")
     #: the host's ldconfig; it must be statically linked (it runs chrooted in the container)
     ldconfig: Path = Path("/sbin/ldconfig")
+    #: write the container's ld.so.cache in gpuhook where the host's ldconfig was found to write the
+    #: same (asked once per binary); false: always run that ldconfig, sandboxed
+    ldconfig_native: bool = True
     #: JSON-lines log; None disables it
     log_file: Path | None = Path("/var/log/gpuhook.log")
     #: where the host inventory cache lives (a root-owned directory, ideally on tmpfs so a
@@ -119,7 +122,7 @@ _OPTIONAL_PATH_KEYS: Final = ("log_file", "cache_dir", "state_dir", "device_poli
                                "hpc_job_mapping_dir")
 _BOOL_KEYS: Final = (
     "accept_envvar_when_unprivileged", "accept_volume_mounts", "accept_cdi_annotations", "no_cgroups", "cuda_compat",
-    "load_kmods", "disable_require",
+    "load_kmods", "disable_require", "ldconfig_native",
 )
 #: settings that take one of an enum's values (the YAML holds the value, Config the member)
 _ENUM_KEYS: Final[dict[str, type[enum.StrEnum]]] = {"log_level": LogLevel, "unhealthy_gpus": HealthPolicy}

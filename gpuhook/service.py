@@ -542,6 +542,8 @@ def update_ldcache_in(config: Config, rootfs: Path, dirs: Sequence[str]) -> None
 def _host_ldconfig(config: Config) -> HostLdconfig:
     """The configured ldconfig and, where gpuhook writes the cache it would (asked once per binary,
     ``ldprofile``), what it takes to: then no ldconfig runs."""
+    if not config.ldconfig_native:
+        return HostLdconfig(config.ldconfig)
     from gpuhook.apply.ldprofile import profile_for
 
     answer = profile_for(config.ldconfig, config.cache_dir)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from integration.engines import run_container, unique_id
 from integration.fakehost import FakeHost, create_host
@@ -33,19 +34,31 @@ COMPAT = "usr/local/cuda/compat"
 COMPAT_VERSION = "560.28.03"  # newer than the simulated host's driver: the compat step runs
 REPORT_TIMEOUT_S = 30.0
 
-#: (syscall sequence that triggers the kill, what it is) on x86_64; the kill lands at the last call.
+#: (syscall sequence that triggers the kill, whether gpuhook writes the ld.so.cache itself) on x86_64; the kill
+#: lands at the last call. The rig's container has no /proc/driver/nvidia (no module here), so the first
+#: fsmount and the mounts after it are the ldconfig sandbox's: they exist only where ldconfig runs.
 STEPS = [
-    pytest.param("259", id="mknod"),
-    pytest.param("429", id="first-bind-mount"),
-    pytest.param("429,429", id="second-bind-mount"),
-    pytest.param("266", id="symlink"),
-    pytest.param("432", id="proc-tmpfs-made"),
-    pytest.param("432,429", id="proc-tmpfs-attached"),
-    pytest.param("432,429,429", id="proc-gpu-dir-bind"),
-    pytest.param("257=00-gpuhook-cuda-compat.conf", id="compat-conf"),
-    pytest.param("322", id="ldconfig-exec"),
-    pytest.param("44^c", id="after-report-before-commit")  # the commit byte,
+    pytest.param(("259", True), id="mknod"),
+    pytest.param(("429", True), id="first-bind-mount"),
+    pytest.param(("429,429", True), id="second-bind-mount"),
+    pytest.param(("266", True), id="symlink"),
+    pytest.param(("432", False), id="proc-tmpfs-made"),
+    pytest.param(("432,429", False), id="proc-tmpfs-attached"),
+    pytest.param(("432,429,429", False), id="proc-gpu-dir-bind"),
+    pytest.param(("257=00-gpuhook-cuda-compat.conf", True), id="compat-conf"),
+    pytest.param(("322", False), id="ldconfig-exec"),
+    pytest.param(("257=ld.so.cache~", True), id="ldcache-written"),
+    pytest.param(("44^c", True), id="after-report-before-commit")  # the commit byte,
 ]
+
+
+def step_config(config: Path, native: bool) -> Path:
+    """*config*, or beside it a copy with the sandboxed ldconfig where the step is one of its own."""
+    if native:
+        return config
+    sandboxed = config.with_name(f"{config.stem}-sandboxed-ldconfig.yaml")
+    sandboxed.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "ldconfig_native": False}))
+    return sandboxed
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +119,13 @@ def run_killed(rig: Rig, hook: dict[str, Any], fd: int, lib: Path) -> None:
     assert not changed, f"{said}the killed start left in the rootfs:\n" + "\n".join(changed) + result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("trigger", STEPS)
+@pytest.mark.parametrize("step", STEPS)
 def test_hook_killed_mid_apply_leaves_nothing(hook_rig: Rig, report: tuple[Path, int], compat_lib: Path,
-                                             trigger: str) -> None:
+                                             step: tuple[str, bool]) -> None:
     """The in-process hook SIGKILLed (a runtime's hook timeout) at the step: its apply child undoes everything."""
     path, fd = report
-    argv = hook_command(hook_rig.base_config)
+    trigger, native = step
+    argv = hook_command(step_config(hook_rig.base_config, native))
     hook = {"path": PYTHON, "args": [PYTHON, "-I", str(KILLAT), str(path), trigger, "hook", "--", *argv],
             "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
     run_killed(hook_rig, hook, fd, compat_lib)
@@ -122,7 +136,8 @@ def killing_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
                    report: tuple[Path, int]) -> Iterator[Gpuhookd]:
     """gpuhookd under killat.py, armed with the test's trigger (``wrapper`` runs only the daemon under it)."""
     path, _ = report
-    daemon = daemon_under_killat(tmp_path_factory.mktemp("killd"), path, request.param, hook_rig.base_config)
+    trigger, native = request.param
+    daemon = daemon_under_killat(tmp_path_factory.mktemp("killd"), path, trigger, step_config(hook_rig.base_config, native))
     yield daemon
     journal = daemon.stop()
     assert "request failed" not in journal and "Traceback" not in journal, journal
@@ -145,7 +160,8 @@ def test_worker_killed_mid_apply_leaves_nothing(hook_rig: Rig, killing_daemon: G
     """A gpuhookd worker SIGKILLed (its --request-timeout alarm) at the step: the hook refuses the container and
     the worker's apply child undoes everything."""
     _, fd = report
-    hook = {"path": PYTHON, "args": hook_command(hook_rig.base_config, via=Via(killing_daemon.socket)),
+    assert killing_daemon.config is not None
+    hook = {"path": PYTHON, "args": hook_command(killing_daemon.config, via=Via(killing_daemon.socket)),
             "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
     run_killed(hook_rig, hook, fd, compat_lib)
 
@@ -197,15 +213,16 @@ def log_offset(host: FakeHost) -> int:
     return log.stat().st_size if log.exists() else 0
 
 
-@pytest.mark.parametrize("trigger", STEPS)
+@pytest.mark.parametrize("step", STEPS)
 def test_hook_killed_mid_apply_leaves_no_lease(hook_rig: Rig, leasing: Leasing, report: tuple[Path, int],
-                                              compat_lib: Path, trigger: str) -> None:
+                                              compat_lib: Path, step: tuple[str, bool]) -> None:
     """The in-process hook SIGKILLed at the step, after it reserved GPU 0's lease: it could drop nothing, and
     no gpuhookd watches this ledger; once `gpuhook status` has reclaimed, no GPU has a holder and
     leases.json holds no lease (and GPU 0 is free again)."""
     path, fd = report
+    trigger, native = step
     hook = {"path": PYTHON, "args": [PYTHON, "-I", str(KILLAT), str(path), trigger, "hook", "--",
-                                     *hook_command(leasing.config)],
+                                     *hook_command(step_config(leasing.config, native))],
             "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
     offset = log_offset(hook_rig.host)
     run_killed(hook_rig, hook, fd, compat_lib)
@@ -218,7 +235,9 @@ def test_hook_killed_mid_apply_leaves_no_lease(hook_rig: Rig, leasing: Leasing, 
 def leasing_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, leasing: Leasing,
                    report: tuple[Path, int]) -> Iterator[Gpuhookd]:
     """killing_daemon, serving the leasing config."""
-    daemon = daemon_under_killat(tmp_path_factory.mktemp("killd"), report[0], request.param, leasing.config)
+    trigger, native = request.param
+    daemon = daemon_under_killat(tmp_path_factory.mktemp("killd"), report[0], trigger,
+                                 step_config(leasing.config, native))
     yield daemon
     journal = daemon.stop()
     assert "request failed" not in journal and "Traceback" not in journal, journal
@@ -231,7 +250,8 @@ def test_worker_killed_mid_apply_leaves_no_lease(hook_rig: Rig, leasing: Leasing
     parent, still running) releases the lease by itself within a few seconds of the container's end, nobody
     calling `gpuhook status`; status then lists no holder either."""
     _, fd = report
-    hook = {"path": PYTHON, "args": hook_command(leasing.config, via=Via(leasing_daemon.socket)),
+    assert leasing_daemon.config is not None
+    hook = {"path": PYTHON, "args": hook_command(leasing_daemon.config, via=Via(leasing_daemon.socket)),
             "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
     offset = log_offset(hook_rig.host)
     run_killed(hook_rig, hook, fd, compat_lib)
