@@ -151,7 +151,7 @@ def libcmp(left: bytes, right: bytes) -> int:
     return 0 - (right[j] if j < len(right) else 0)
 
 
-def _compare(first: CacheRecord, second: CacheRecord) -> int:
+def _compare(first: CacheRecord, second: CacheRecord) -> int:  # noqa: PLR0911 - one return per rule
     """elf/cache.c compare(): names descending by libcmp, then flags, glibc-hwcaps entries first
     (by name), then the most specific legacy hwcap."""
     res = libcmp(second.soname, first.soname)

@@ -70,8 +70,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChildAhead", "ChildForkedAhead", "Container", "Placement", "check_ldconfig", "discover_uncached",
-    "enter_hook_view", "fork_apply_ahead",
-    "host_inventory", "load_settings", "prepare_daemon", "render_cdi", "render_plan", "render_spec_edit",
+    "enter_hook_view", "fork_apply_ahead", "host_inventory", "load_settings", "prepare_daemon", "prepare_worker",
+    "render_cdi", "render_plan", "render_spec_edit",
     "request_for", "start", "start_configure", "start_hook", "stop", "update_ldcache_in",
 ]
 
@@ -567,6 +567,22 @@ def prepare_daemon(env: Mapping[str, str]) -> str:
     except GpuHookError as err:
         return f"ldconfig not prepared ({err}); each request copies it"
     return ""
+
+
+def prepare_worker(config_path: str, *, required: bool) -> None:
+    """What an idle gpuhookd worker does before its request, so that the request need not: the inventory
+    cache decoded and, where gpuhook writes the cache itself, the driver's libraries read (a container
+    gets the host's very files). Reads only; never asks NVML; any failure is left to the request."""
+    from gpuhook.apply import ldelf
+    from gpuhook.discovery import warm
+
+    try:
+        config = load_config(Path(config_path), required=required)
+    except GpuHookError:
+        return
+    inventory = warm(config)
+    if inventory is not None and _host_ldconfig(config).profile is not None:
+        ldelf.remember(f.host_path for f in (*inventory.libraries, *inventory.libraries32))
 
 
 def fork_apply_ahead(*, priority: int, close: Sequence[int] = ()) -> ChildAhead:

@@ -120,6 +120,8 @@ class Samples:
     wall_ms: list[float] = field(default_factory=list)
     nvml_calls: list[int] = field(default_factory=list)
     hook_ms: list[float] = field(default_factory=list)
+    #: per instrumented run served by gpuhookd: the hook's wall time less the daemon's served time
+    outside_ms: list[float] = field(default_factory=list)
     maxrss_kib: list[int] = field(default_factory=list)
     #: per timed run, the hook log's step timings (discovery, apply, total from run_hook's start)
     log_ms: list[dict[str, float]] = field(default_factory=list)
@@ -378,12 +380,14 @@ def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work:
             continue
         record = work / f"hookstat-{scenario.name}.jsonl"
         wrapper = (str(python), "-I", "-S", str(wrapper_py), str(record))
-        for _ in range(INSTRUMENTED_RUNS):
-            run_once(scenario, make_spec(scenario, wrapper), rootfs_src, bundle)
-        for line in record.read_text().splitlines():
+        served = [run_once(scenario, make_spec(scenario, wrapper), rootfs_src, bundle)[2].get("served_ms")
+                  for _ in range(INSTRUMENTED_RUNS)]
+        for line, served_ms in zip(record.read_text().splitlines(), served, strict=True):
             stat = json.loads(line)
             samples[scenario.name].hook_ms.append(stat["wall_ms"])
             samples[scenario.name].maxrss_kib.append(stat["maxrss_kib"])
+            if served_ms is not None:  # the same run's two sides: what the relay adds to the daemon's work
+                samples[scenario.name].outside_ms.append(stat["wall_ms"] - served_ms)
     return samples
 
 
@@ -421,6 +425,7 @@ def summarise(scenarios: Sequence[Scenario], samples: dict[str, Samples]) -> dic
             "p90_ms": round(p90(got.wall_ms), 2),
             "ratio_vs_bare": round(median / bare, 3),
             "hook_ms_median": round(statistics.median(got.hook_ms), 2) if got.hook_ms else None,
+            "relay_outside_ms_median": round(statistics.median(got.outside_ms), 2) if got.outside_ms else None,
             "hook_peak_rss_mib": round(max(got.maxrss_kib) / 1024, 1) if got.maxrss_kib else None,
             "worker_peak_rss_mib": max((t["worker_rss_mib"] for t in got.log_ms if "worker_rss_mib" in t),
                                        default=None),
@@ -530,8 +535,8 @@ def profile_lines(results: dict[str, dict[str, Any]]) -> list[str]:
         return []
     found = dict.fromkeys(step for name in rows for step in results[name]["profile_ms_median"])
     steps = sorted(found, key=lambda step: not step.startswith("gpuhookd"))  # the worker's, then the start's
-    head = ["runc's own (start − bare − hook)", "relay outside gpuhookd (hook − served)", "discovery", "lease",
-            *steps]
+    head = ["runc's own (start − bare − served − relay)", "relay outside gpuhookd (hook − served, same run)",
+            "discovery", "lease", *steps]
     lines = ["Profile of the GPU path (median ms): " + ", ".join(f"`{name}`" for name in rows),
              "", "| step | " + " | ".join(results[name]["title"] for name in rows) + " |",
              "|---|" + "---:|" * len(rows)]
@@ -539,9 +544,10 @@ def profile_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     for name in rows:
         r = results[name]
         logged, profile = r["hook_log_ms_median"] or {}, r["profile_ms_median"]
-        hook, worker = r["hook_ms_median"], logged.get("served_ms")
+        outside, worker = r["relay_outside_ms_median"], logged.get("served_ms")
+        hook = worker + outside if worker is not None and outside is not None else r["hook_ms_median"]
         cells[head[0]].append(f"{r['median_ms'] - bare - hook:.1f}" if hook is not None else "–")
-        cells[head[1]].append(f"{hook - worker:.1f}" if hook is not None and worker is not None else "–")
+        cells[head[1]].append(f"{outside:.1f}" if outside is not None else "–")
         cells["discovery"].append(f"{logged.get('discovery_ms', 0):g}")
         cells["lease"].append(f"{logged.get('lease_ms', 0):g}")
         for step in steps:

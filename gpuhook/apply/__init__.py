@@ -29,7 +29,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -330,8 +330,8 @@ def _hold(fs: RootFs, channel: _socket.socket, deadline: float) -> bool:
 
 
 def _apply_in_container(
-    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: HostLdconfig, timeout: float, ldconfig_ahead: ChildAhead | None,
-    abort_fd: int, steps: dict[str, float], notes: list[str],
+    plan: Plan, pidfd: int, container: ContainerRef, ldconfig: HostLdconfig, timeout: float,
+    ldconfig_ahead: ChildAhead | None, abort_fd: int, steps: dict[str, float], notes: list[str],
 ) -> tuple[RootFs, list[str]]:
     """Open host sources, enter the container, make every change; undo all on failure. *abort_fd*:
     the channel to the parent, whose closing stops a running ldconfig; *steps*: filled with each
@@ -375,23 +375,13 @@ def _apply_in_container(
                     skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
         done("proc")
         dirs = _compat_first(fs, plan, notes)
-        if dirs and (ldconfig_fd is not None or native is not None):
-            with _step("save", LD_SO_CACHE):
-                # The cache is replaced through a temporary beside it: an undo puts the image's back.
-                fs.save_aside(LD_SO_CACHE)
-                fs.save_aside(LD_SO_CACHE + "~")
-                if native is None:  # ldwrite journals each link it changes; ldconfig's are found after
-                    for directory, prefixes in _library_dirs(plan).items():
-                        fs.watch_links(directory, prefixes)
-            # At most half the budget, so that a start stuck here (an image too large, or changed from
-            # outside while it is read) fails inside this child, and rollback still runs.
-            budget = min(timeout / 2, LDCONFIG_DEADLINE_S)
-            if native is not None:
-                with _step("ldconfig", " ".join(dirs)):
-                    write_ldcache(fs, dirs, native, hidden_devices(fs), deadline=time.monotonic() + budget)
-            else:
-                run_ldconfig(ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared, timeout=budget,
-                             ahead=ldconfig_ahead, abort_fd=abort_fd)
+        if dirs and native is not None:
+            _replace_ldcache(fs, plan, lambda budget: write_ldcache(
+                fs, dirs, native, hidden_devices(fs), deadline=time.monotonic() + budget), timeout, native=True)
+        elif dirs and ldconfig_fd is not None:
+            _replace_ldcache(fs, plan, lambda budget: run_ldconfig(
+                ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared, timeout=budget, ahead=ldconfig_ahead,
+                abort_fd=abort_fd), timeout, native=False)
         done("ldconfig")
     except BaseException as err:
         leftovers = fs.rollback()
@@ -399,6 +389,22 @@ def _apply_in_container(
             err.detail = f"{err.detail or 'failed'}; could not undo: {'; '.join(leftovers)}"
         raise
     return fs, skipped
+
+
+def _replace_ldcache(fs: RootFs, plan: Plan, write: Callable[[float], object], timeout: float, *, native: bool) -> None:
+    """The container's ld.so.cache replaced by *write* (gpuhook's own, *native*, or the sandboxed
+    ldconfig), given its budget: an undo puts the image's cache and links back."""
+    with _step("save", LD_SO_CACHE):
+        # The cache is replaced through a temporary beside it: an undo puts the image's back.
+        fs.save_aside(LD_SO_CACHE)
+        fs.save_aside(LD_SO_CACHE + "~")
+        if not native:  # ldwrite journals each link it changes; ldconfig's are found afterwards
+            for directory, prefixes in _library_dirs(plan).items():
+                fs.watch_links(directory, prefixes)
+    # At most half the budget, so that a start stuck here (an image too large, or changed from outside
+    # while it is read) fails inside this child, and rollback still runs.
+    with _step("ldconfig", LD_SO_CACHE):
+        write(min(timeout / 2, LDCONFIG_DEADLINE_S))
 
 
 _LIBRARY = re.compile(r"(lib[^/]*\.so\.)[0-9][0-9.]*")

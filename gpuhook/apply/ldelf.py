@@ -13,9 +13,11 @@ gpuhook's reading of the same tree (``ldprofile``).
 from __future__ import annotations
 
 import os
+import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
 FLAG_LIBC4: Final = 0x0000
@@ -72,7 +74,46 @@ class LibraryInfo:
     isa_level: int
 
 
-class _Truncated(Exception):
+Identity = tuple[int, int, int, int, int]
+#: Libraries read before, by file identity (``identity``): a driver library bind-mounted into a
+#: container is the host's very inode, so a gpuhookd worker reads the driver's libraries while it
+#: is idle (``remember``) and its start finds them here. a.out libraries, whose SONAME comes from
+#: their name, are never kept.
+_KNOWN: dict[Identity, LibraryInfo | None] = {}
+#: what ``known`` answers for a file never read
+UNKNOWN: Final = object()
+
+
+def identity(st: os.stat_result) -> Identity:
+    """A file's identity: the same inode, unchanged since (size, mtime and ctime)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def known(st: os.stat_result) -> LibraryInfo | object | None:
+    """What ``read_library`` said of this very file before, or UNKNOWN."""
+    return _KNOWN.get(identity(st), UNKNOWN)
+
+
+def remember(paths: Iterable[Path]) -> None:
+    """Read the host files *paths* now (skipping any that cannot be), for ``known`` to answer later."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):
+                info = read_library(fd, st.st_size, os.fsencode(path.name))
+                if info is None or info.flags != FLAG_LIBC4:
+                    _KNOWN[identity(st)] = info
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+class _TruncatedError(Exception):
     """An offset in the file points past its end (ldconfig: "file ... is truncated")."""
 
 
@@ -95,12 +136,12 @@ class _File:
     def check(self, offset: int) -> None:
         """ldconfig's check_ptr: *offset* must lie inside the file."""
         if offset < 0 or offset >= self.size:
-            raise _Truncated
+            raise _TruncatedError
 
     def read(self, offset: int, length: int) -> bytes:
         """Up to *length* bytes at *offset*, which must lie inside the file (fewer at its end)."""
         if offset < 0 or offset >= self.size:
-            raise _Truncated
+            raise _TruncatedError
         first, last = offset // self._PAGE, (min(offset + length, self.size) - 1) // self._PAGE
         start = offset - first * self._PAGE
         if first == last:
@@ -111,7 +152,7 @@ class _File:
 
     def block(self, offset: int, count: int, layout: struct.Struct) -> list[tuple[int, ...]]:
         """*count* structs from *offset*; the file's end ends the list (a struct it cuts reads as
-        zeros there). Raises _Truncated if the first one starts outside the file."""
+        zeros there). Raises _TruncatedError if the first one starts outside the file."""
         data = self.read(offset, count * layout.size)
         whole, rest = divmod(len(data), layout.size)
         if rest and whole < count:
@@ -137,7 +178,7 @@ class _File:
         return out
 
 
-def read_library(fd: int, size: int, name: bytes) -> LibraryInfo | None:
+def read_library(fd: int, size: int, name: bytes) -> LibraryInfo | None:  # noqa: PLR0911 - process_file's exits
     """process_file() on the regular file open at *fd* (*size* bytes) named *name*; None where ldconfig
     skips it (not a library, for another machine, or malformed)."""
     if size < _MIN_SIZE:
@@ -165,7 +206,7 @@ def read_library(fd: int, size: int, name: bytes) -> LibraryInfo | None:
         return None
     try:
         info = _read_elf(file, header, _ELF64 if elf_class == 2 else _ELF32)
-    except _Truncated:
+    except _TruncatedError:
         return None
     if info is None:
         return None
@@ -186,7 +227,7 @@ def implicit_soname(name: bytes, flags: int) -> bytes:
     return _aout_soname(name) if flags & 0xFF == FLAG_LIBC4 else name
 
 
-def _read_elf(file: _File, header: bytes, layout: _Layout) -> LibraryInfo | None:
+def _read_elf(file: _File, header: bytes, layout: _Layout) -> LibraryInfo | None:  # noqa: PLR0912 - as readelflib.c
     phoff, = layout.phoff.unpack_from(header, 32 if layout is _ELF64 else 28)
     phnum, = struct.unpack_from("<H", header, layout.phnum)
     file.check(phoff)  # check_ptr (elf_pheader)
@@ -261,11 +302,12 @@ def _isa_level(file: _File, offset: int, size: int, align: int, word: int) -> in
     note running past the file's end ends the search: ldconfig reads past it, we do not)."""
     try:
         return _isa_note(file, offset, size, align, word)
-    except _Truncated:
+    except _TruncatedError:
         return None
 
 
-def _isa_note(file: _File, offset: int, size: int, align: int, word: int) -> int | None:
+def _isa_note(file: _File, offset: int, size: int, align: int,  # noqa: PLR0911 - each "goto done" of readelflib.c
+              word: int) -> int | None:
     position = 0
     while position + 12 < size:
         namesz, descsz, n_type = struct.unpack("<III", file.read(offset + position, 12).ljust(12, b"\0"))
@@ -342,13 +384,15 @@ def sample_library(soname: bytes | None, *, needed: tuple[bytes, ...] = (), bits
         segs = [struct.pack("<IIQQQQQQ", _PT_LOAD, 5, 0, 0, 0, total, total, 0x1000),
                 struct.pack("<IIQQQQQQ", _PT_DYNAMIC, 6, dyn_at, dyn_at, dyn_at, len(dynamic), len(dynamic), 8)]
         if note:
-            segs.append(struct.pack("<IIQQQQQQ", _PT_GNU_PROPERTY, 4, note_at, note_at, note_at, len(note), len(note), 8))
+            segs.append(struct.pack("<IIQQQQQQ", _PT_GNU_PROPERTY, 4, note_at, note_at, note_at, len(note),
+                                    len(note), 8))
     else:
         head = struct.pack("<4sBBBB8xHHIIIIIHHHHHH", b"\x7fELF", 1, 1, 1, 0, _ET_DYN, _EM_386, 1, 0, ehdr, 0, 0,
                            ehdr, phdr, phnum, 40, 0, 0)
         segs = [struct.pack("<IIIIIIII", _PT_LOAD, 0, 0, 0, total, total, 5, 0x1000),
                 struct.pack("<IIIIIIII", _PT_DYNAMIC, dyn_at, dyn_at, dyn_at, len(dynamic), len(dynamic), 6, 4)]
         if note:
-            segs.append(struct.pack("<IIIIIIII", _PT_GNU_PROPERTY, note_at, note_at, note_at, len(note), len(note), 4, 4))
+            segs.append(struct.pack("<IIIIIIII", _PT_GNU_PROPERTY, note_at, note_at, note_at, len(note),
+                                    len(note), 4, 4))
     body = head + b"".join(segs) + note
     return body.ljust(dyn_at, b"\0") + dynamic + strtab

@@ -37,7 +37,8 @@ import stat
 from dataclasses import dataclass, field
 from typing import Final
 
-from gpuhook.apply.ldelf import FLAG_ELF, FLAG_ELF_LIBC5, FLAG_ELF_LIBC6, FLAG_LIBC4, implicit_soname, read_library
+from gpuhook.apply.ldelf import (FLAG_ELF, FLAG_ELF_LIBC5, FLAG_ELF_LIBC6, FLAG_LIBC4, UNKNOWN, LibraryInfo,
+                                 implicit_soname, known, read_library)
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.ldcache import CacheRecord, encode_ldcache, libcmp
 from gpuhook.errors import ApplyError
@@ -125,8 +126,8 @@ def write_ldcache(fs: RootFs, dirs: tuple[str, ...], profile: LdconfigProfile, h
     for directory in dirs:
         tree.add_dir(scan, os.fsencode(directory))
     tree.parse_conf(scan, _CONF, 0)
-    for directory in profile.system_dirs:
-        tree.add_dir(scan, directory)
+    for system_dir in profile.system_dirs:
+        tree.add_dir(scan, system_dir)
     index = 0
     while index < len(scan.dirs):  # scanning appends hwcap subdirectories, scanned in turn
         tree.search_dir(scan, scan.dirs[index])
@@ -210,11 +211,24 @@ class _Tree:
             os.close(fd)
             return None
 
-    def read_regular(self, path: bytes, dir_fd: int | None = None) -> tuple[int, int] | None:
-        """(an fd open for reading, its size) if *path* is a regular file, else None. It is opened
-        O_PATH, checked, then reopened through /proc/self/fd: exactly the file checked, and no
-        FIFO, socket or device is ever opened. With *dir_fd*, *path* is a name in that directory
-        that must not be a symlink (what its listing said)."""
+    def read_regular(self, path: bytes) -> tuple[int, int] | None:
+        """(an fd open for reading, its size) if *path* is a regular file, else None."""
+        fd = self._open(path, os.O_PATH)
+        if fd is None:
+            return None
+        try:
+            st = os.fstat(fd)
+            return (_reopen(fd), st.st_size) if stat.S_ISREG(st.st_mode) else None
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def library(self, path: bytes, name: bytes, dir_fd: int | None) -> LibraryInfo | None:
+        """``read_library`` of the regular file *path* (None for anything else). With *dir_fd*, *path*
+        is a name in that directory that must not be a symlink (what its listing said). It is opened
+        O_PATH, checked, then reopened through /proc/self/fd: exactly the file checked, and no FIFO,
+        socket or device is ever opened; a file read before (``ldelf.remember``) is not read again."""
         if dir_fd is None:
             fd = self._open(path, os.O_PATH)
             if fd is None:
@@ -228,11 +242,17 @@ class _Tree:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return None
-            return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY), st.st_size
+            if (answer := known(st)) is not UNKNOWN:
+                return answer  # type: ignore[return-value]
+            readable = _reopen(fd)
         except OSError:
             return None
         finally:
             os.close(fd)
+        try:
+            return read_library(readable, st.st_size, name)
+        finally:
+            os.close(readable)
 
     # -- the configuration -------------------------------------------------------------------------
 
@@ -356,7 +376,8 @@ class _Tree:
         finally:
             os.close(dir_fd)
 
-    def _consider(self, scan: _Scan, entry: _Dir, dir_fd: int, item: _BytesEntry, dlibs: list[_Lib]) -> None:
+    def _consider(self, scan: _Scan, entry: _Dir, dir_fd: int,  # noqa: PLR0911, PLR0912 - search_dir's loop body
+                  item: _BytesEntry, dlibs: list[_Lib]) -> None:
         """One directory entry, as search_dir's loop body."""
         name = item.name
         is_link = item.is_symlink()
@@ -384,14 +405,7 @@ class _Tree:
             return
         if not is_reg and not is_link:
             return
-        opened = self.read_regular(file_name) if is_link else self.read_regular(name, dir_fd)
-        if opened is None:
-            return
-        fd, size = opened
-        try:
-            info = read_library(fd, size, name)
-        finally:
-            os.close(fd)
+        info = self.library(file_name, name, None) if is_link else self.library(name, name, dir_fd)
         if info is None:
             return
         flag = info.flags
@@ -406,11 +420,11 @@ class _Tree:
             if lib.soname != soname:
                 continue
             if (not is_link and lib.is_link) or (is_link == lib.is_link and libcmp(lib.name, name) < 0):
-                if lib.flag != flag:
-                    if lib.flag == FLAG_ELF and flag in (FLAG_ELF_LIBC5, FLAG_ELF_LIBC6):
-                        lib.flag = flag
-                    elif lib.flag in (FLAG_ELF_LIBC5, FLAG_ELF_LIBC6) and flag == FLAG_ELF:
-                        lib.flag = flag
+                # ldconfig keeps the first one's type, except between plain ELF and libc5/libc6
+                # (either way round); other mismatches it only reports
+                if (lib.flag == FLAG_ELF and flag in (FLAG_ELF_LIBC5, FLAG_ELF_LIBC6)) or (
+                        lib.flag in (FLAG_ELF_LIBC5, FLAG_ELF_LIBC6) and flag == FLAG_ELF):
+                    lib.flag = flag
                 lib.name, lib.is_link, lib.isa_level = name, is_link, info.isa_level
             return
         dlibs.append(_Lib(name, soname, flag, is_link, info.isa_level))
@@ -456,11 +470,10 @@ class _Tree:
         try:
             # Whatever the image has at the temporary name (a FIFO or a device node would block or act
             # on open) was set aside before this step; it goes, and the file is created afresh.
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp, dir_fd=dir_fd)
-            except FileNotFoundError:
-                pass
-            fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+            fd = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dir_fd)
             try:
                 view = memoryview(data)
                 while view:
@@ -473,6 +486,11 @@ class _Tree:
             raise ApplyError("write", f"{_CACHE_DIR}/{_CACHE}", errno_=err.errno) from err
         finally:
             os.close(dir_fd)
+
+
+def _reopen(fd: int) -> int:
+    """The O_PATH *fd*'s file opened for reading: that inode, whatever its path now leads to."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
 
 
 class _BytesEntry:
@@ -496,9 +514,9 @@ class _BytesEntry:
 
 def _add_single(scan: _Scan, entry: _Dir) -> bool:
     """add_single_dir(): False (and the first one takes the newer type) if the inode is listed already."""
-    for known in scan.dirs:
-        if known.ident == entry.ident:
-            known.flag = entry.flag
+    for seen in scan.dirs:
+        if seen.ident == entry.ident:
+            seen.flag = entry.flag
             return False
     scan.dirs.append(entry)
     return True

@@ -158,6 +158,8 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int,
             """Before a request waits for it: the apply child's fork (once), then full priority to
             wake for a request."""
             if not ahead:
+                # Before the fork: the apply child inherits what was read (the driver's libraries).
+                service.prepare_worker(config.path, required=config.required)
                 ahead.append(service.fork_apply_ahead(close=(listener.fileno(), theirs.fileno()), priority=priority))
             os.setpriority(os.PRIO_PROCESS, 0, priority)
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpuhook.config import Config
-from gpuhook.discovery.cache import CachedDiscoverer, Found, Outcome
+from gpuhook.discovery.cache import CachedDiscoverer, Found, Outcome, warm
 from gpuhook.discovery.host import HostDiscoverer
 from gpuhook.inventory import LiveNeeds
 from gpuhook.sharing.ledger import MigRecord
 
-__all__ = ["Found", "Outcome", "inventory_for"]
+__all__ = ["Found", "Outcome", "inventory_for", "warm"]
 
 
 def inventory_for(config: Config, needs: LiveNeeds, *, refresh: bool = False,

@@ -54,6 +54,7 @@ writable by nobody else are trusted.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
@@ -166,6 +167,11 @@ def encode_cache(key: str, inventory: Inventory) -> bytes:
     """The cache file's contents: the format, the identity's fingerprint and the inventory."""
     document = {"format": CACHE_FORMAT, "key": key, "inventory": inventory.to_dict()}
     return json.dumps(document, separators=(",", ":")).encode()
+
+
+#: The last file decoded, by path: its bytes, its key and the inventory. A gpuhookd worker decodes
+#: the cache while idle (``warm``), so that its request only reads the file and compares bytes.
+_DECODED: dict[Path, tuple[bytes, str, Inventory]] = {}
 
 
 def decode_cache(data: bytes, key: str) -> Inventory | Outcome:
@@ -306,8 +312,7 @@ class CachedDiscoverer:
                                not_stored=f"cannot read the driver's identity: {err}")
         outcome = Outcome.REFRESH
         if not self.refresh:
-            data = load_cache(path)
-            found = decode_cache(data, key) if isinstance(data, bytes) else data
+            found = _decoded(path, key)
             if isinstance(found, Inventory):
                 return CacheLookup(inventory=found, outcome=Outcome.HIT)
             outcome = found
@@ -349,6 +354,31 @@ class CachedDiscoverer:
         raise DiscoveryError(f"{problem}, twice in a row: an in-place driver upgrade is under way, or the kernel "
                              "module was not reloaded after one; retry once the upgrade is done (reload the "
                              "nvidia module or reboot if it was)")
+
+
+def _decoded(path: Path, key: str) -> Inventory | Outcome:
+    """The cache file's inventory for *key*: decoded again only when its bytes changed."""
+    data = load_cache(path)
+    if not isinstance(data, bytes):
+        return data
+    if (known := _DECODED.get(path)) is not None and known[0] == data and known[1] == key:
+        return known[2]
+    found = decode_cache(data, key)
+    if isinstance(found, Inventory):
+        _DECODED[path] = (data, key, found)
+    return found
+
+
+def warm(config: Config) -> Inventory | None:
+    """Decode the cache file now (a gpuhookd worker, idle): its request then finds it decoded; the
+    inventory, if the file held a valid one. Never asks NVML: a missing or stale file is left for
+    the request to rebuild."""
+    if config.cache_dir is None:
+        return None
+    with contextlib.suppress(OSError):
+        found = _decoded(cache_path(config.cache_dir, config), fingerprint(read_identity(config)))
+        return found if isinstance(found, Inventory) else None
+    return None
 
 
 def _module_version(identity: DriverIdentity) -> str | None:

@@ -137,7 +137,8 @@ def killing_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     """gpuhookd under killat.py, armed with the test's trigger (``wrapper`` runs only the daemon under it)."""
     path, _ = report
     trigger, native = request.param
-    daemon = daemon_under_killat(tmp_path_factory.mktemp("killd"), path, trigger, step_config(hook_rig.base_config, native))
+    daemon = daemon_under_killat(tmp_path_factory.mktemp("killd"), path, trigger,
+                                 step_config(hook_rig.base_config, native))
     yield daemon
     journal = daemon.stop()
     assert "request failed" not in journal and "Traceback" not in journal, journal
