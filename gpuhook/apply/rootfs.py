@@ -29,21 +29,14 @@ _IN_ROOT: Final = pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS
 _RUNTIME_OWNED: Final = ("dev", "proc")
 _MAX_STEPS: Final = 64
 _NEW_FILE: Final = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_CLOEXEC
+#: an empty file to mount over, created read-only: nothing is ever written through it
+_NEW_TARGET: Final = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDONLY | os.O_CLOEXEC
 
 
 def _resolve_flags(path: str) -> int:
     """IN_ROOT, plus NO_SYMLINKS under the runtime-owned /dev and /proc."""
     top = PurePosixPath(path).parts[1] if len(PurePosixPath(path).parts) > 1 else ""
     return _IN_ROOT | (pathrs.RESOLVE_NO_SYMLINKS if top in _RUNTIME_OWNED else 0)
-
-
-def _exclusively(make: Callable[[], None]) -> bool:
-    """Run an O_EXCL-style creation; False if the object already existed."""
-    try:
-        make()
-    except FileExistsError:
-        return False
-    return True
 
 
 class RootFs:
@@ -124,8 +117,16 @@ class RootFs:
         name = PurePosixPath(path).name
         dir_fd = self.directory(str(parent))
         try:
-            if _exclusively(lambda: os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd))):
-                self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=dir_fd))
+            # The usual case, a file we create: its fd is the target (regular by construction), no lookup again.
+            created = os.open(name, _NEW_TARGET, 0o644, dir_fd=dir_fd)
+        except FileExistsError:
+            pass
+        except OSError as err:
+            raise ApplyError("create mount target", path, errno_=err.errno) from err
+        else:
+            self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=dir_fd))
+            return created
+        try:
             fd = pathrs.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, pathrs.RESOLVE_NO_SYMLINKS)
         except OSError as err:
             raise ApplyError("create mount target", path, errno_=err.errno) from err

@@ -347,3 +347,26 @@ def test_garbage_never_raises(tmp_path: Path) -> None:
             read_library(fd, len(data), b"libg.so.1")  # None or an answer: never an exception
         finally:
             os.close(fd)
+
+
+def test_a_library_read_before_is_not_read_again(tmp_path: Path, profile: LdconfigProfile,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gpuhookd worker reads the driver's libraries while idle (ldelf.remember); a start then finds
+    the same inode bind-mounted in the container and takes what was read, to the same cache."""
+    from gpuhook.apply import ldelf, ldwrite
+
+    debian_multiarch(tmp_path)
+    lib = tmp_path / "usr/lib/x86_64-linux-gnu/libfoo.so.2.4.1"
+    expected, _ = _our_cache(tmp_path, (), profile)
+    monkeypatch.setattr(ldelf, "_KNOWN", {})
+    ldelf.remember([lib])
+    assert ldelf.known(lib.stat()) == ldelf.LibraryInfo(0x0303, b"libfoo.so.2", 0)
+    read: list[bytes] = []
+    real = ldwrite.read_library
+    monkeypatch.setattr(ldwrite, "read_library", lambda fd, size, name: read.append(name) or real(fd, size, name))
+    got, _ = _our_cache(tmp_path, (), profile)
+    assert got == expected
+    assert b"libfoo.so.2.4.1" not in read and b"libc.so.6" in read
+    os.utime(lib, ns=(1, 1))  # changed since: read again
+    _our_cache(tmp_path, (), profile)
+    assert b"libfoo.so.2.4.1" in read
