@@ -721,11 +721,20 @@ def discover_uncached(config: Config) -> Inventory:
     return inventory_for(dataclasses.replace(config, cache_dir=None), LiveNeeds()).inventory
 
 
-def check_ldconfig(path: Path) -> None:
-    """Raise ApplyError unless *path* is an ldconfig the sandbox can run (static, host-owned)."""
+def check_ldconfig(config: Config) -> str:
+    """Raise ApplyError unless the configured ldconfig is one the sandbox can run (static, host-owned);
+    else say who writes the containers' ld.so.cache."""
     from gpuhook.apply.ldconfig import open_ldconfig
+    from gpuhook.apply.ldprofile import profile_for
 
-    os.close(open_ldconfig(path))
+    os.close(open_ldconfig(config.ldconfig))
+    if not config.ldconfig_native:
+        return "it runs sandboxed in each container (ldconfig_native: false)"
+    answer = profile_for(config.ldconfig, config.cache_dir)
+    if answer.profile is not None:
+        return ("gpuhook writes each container's ld.so.cache itself, byte for byte what this ldconfig "
+                "writes on a sample tree")
+    return f"it runs sandboxed in each container: {answer.why_not}"
 
 
 def request_for(spec: BundleSpec, config: Config) -> GpuRequest | None:

@@ -52,11 +52,11 @@ def _driver_checks(config: Config) -> tuple[Check, ...]:
 def _ldconfig_check(config: Config) -> Check:
     """Is the configured ldconfig a usable static host binary?"""
     try:
-        service.check_ldconfig(config.ldconfig)
+        who = service.check_ldconfig(config)
     except GpuHookError as err:
         return Check(name="ldconfig", verdict=Verdict.FAIL, message=str(err),
                      fix="set `ldconfig:` to a static ldconfig")
-    return Check(name="ldconfig", verdict=Verdict.OK, message=f"{config.ldconfig} is static")
+    return Check(name="ldconfig", verdict=Verdict.OK, message=f"{config.ldconfig} is static; {who}")
 
 
 def _leases_check(config: Config) -> Check:

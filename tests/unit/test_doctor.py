@@ -59,6 +59,7 @@ def test_doctor_on_the_simulated_host(host: FakeHost, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"[ ok ] driver: NVIDIA {host.driver_version} (CUDA {host.cuda_version}), 4 GPU(s)" in out.stdout
     assert "[ ok ] cgroup driver: cgroupfs" in out.stdout
+    assert "is static; gpuhook writes each container's ld.so.cache itself" in out.stdout
     assert "] gpuhookd: " in out.stdout  # whatever serves this machine's default socket: never a failure
     empty = tmp_path / "no-driver.yaml"
     empty.write_text(f"driver_root: {tmp_path}\ndev_root: {tmp_path}\nproc_root: {tmp_path}\nlog_file: null\n")
