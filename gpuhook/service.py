@@ -539,14 +539,15 @@ def update_ldcache_in(config: Config, rootfs: Path, dirs: Sequence[str]) -> None
     update_ldcache(config.ldconfig, rootfs, dirs, timeout=config.timeout_seconds)
 
 
-def _host_ldconfig(config: Config) -> HostLdconfig:
+def _host_ldconfig(config: Config, *, keeps: bool = False) -> HostLdconfig:
     """The configured ldconfig and, where gpuhook writes the cache it would (asked once per binary,
-    ``ldprofile``), what it takes to: then no ldconfig runs."""
+    ``ldprofile``; *keeps*: gpuhookd, whose workers inherit the answer), what it takes to: then no
+    ldconfig runs."""
     if not config.ldconfig_native:
         return HostLdconfig(config.ldconfig)
     from gpuhook.apply.ldprofile import profile_for
 
-    answer = profile_for(config.ldconfig, config.cache_dir)
+    answer = profile_for(config.ldconfig, config.cache_dir, keeps=keeps)
     if answer.profile is None:
         get_logger().debug("ldconfig_runs", why=answer.why_not)
     return HostLdconfig(config.ldconfig, answer.profile)
@@ -563,7 +564,7 @@ def prepare_daemon(env: Mapping[str, str]) -> str:
         path, required = resolve_config_path(None, env)
         config = load_config(path, required=required)
         seal_ahead(config.ldconfig)
-        _host_ldconfig(config)  # asked now, so every worker forked after knows the answer
+        _host_ldconfig(config, keeps=True)  # asked now, so every worker forked after knows the answer
     except GpuHookError as err:
         return f"ldconfig not prepared ({err}); each request copies it"
     return ""
@@ -581,7 +582,7 @@ def prepare_worker(config_path: str, *, required: bool) -> None:
     except GpuHookError:
         return
     inventory = warm(config)
-    if inventory is not None and _host_ldconfig(config).profile is not None:
+    if inventory is not None and _host_ldconfig(config, keeps=True).profile is not None:
         ldelf.remember(f.host_path for f in (*inventory.libraries, *inventory.libraries32))
 
 
@@ -730,7 +731,7 @@ def check_ldconfig(config: Config) -> str:
     os.close(open_ldconfig(config.ldconfig))
     if not config.ldconfig_native:
         return "it runs sandboxed in each container (ldconfig_native: false)"
-    answer = profile_for(config.ldconfig, config.cache_dir)
+    answer = profile_for(config.ldconfig, config.cache_dir, keeps=True)  # doctor: asked, whatever it costs
     if answer.profile is not None:
         return ("gpuhook writes each container's ld.so.cache itself, byte for byte what this ldconfig "
                 "writes on a sample tree")

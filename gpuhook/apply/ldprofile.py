@@ -52,8 +52,12 @@ class ProfileAnswer:
 _KNOWN: dict[tuple[int, int, int, int], ProfileAnswer] = {}
 
 
-def profile_for(ldconfig: Path, cache_dir: Path | None) -> ProfileAnswer:
-    """Whether (and how) ``ldwrite`` may stand in for *ldconfig*; asks the binary at most once."""
+def profile_for(ldconfig: Path, cache_dir: Path | None, *, keeps: bool = False) -> ProfileAnswer:
+    """Whether (and how) ``ldwrite`` may stand in for *ldconfig*; asks the binary at most once.
+
+    *keeps*: this process keeps the answer for the processes it forks (gpuhookd). Without it and
+    without a *cache_dir* to keep it in, the binary is not asked (each start would ask again, which
+    costs more than the ldconfig run it saves): the answer is no."""
     try:
         st = os.stat(ldconfig)
     except OSError as err:
@@ -63,6 +67,8 @@ def profile_for(ldconfig: Path, cache_dir: Path | None) -> ProfileAnswer:
         return known
     path = cache_dir / f"ldconfig-{zlib.crc32(os.fsencode(ldconfig)):08x}.json" if cache_dir is not None else None
     answer = _stored(path, identity) if path is not None else None
+    if answer is None and path is None and not keeps:
+        return ProfileAnswer(None, "not asked: with cache_dir null the answer could not be kept (gpuhookd asks once)")
     if answer is None:
         answer = ask(ldconfig)
         if path is not None:

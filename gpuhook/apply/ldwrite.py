@@ -211,24 +211,10 @@ class _Tree:
             os.close(fd)
             return None
 
-    def read_regular(self, path: bytes) -> tuple[int, int] | None:
-        """(an fd open for reading, its size) if *path* is a regular file, else None."""
-        fd = self._open(path, os.O_PATH)
-        if fd is None:
-            return None
-        try:
-            st = os.fstat(fd)
-            return (_reopen(fd), st.st_size) if stat.S_ISREG(st.st_mode) else None
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-
-    def library(self, path: bytes, name: bytes, dir_fd: int | None) -> LibraryInfo | None:
-        """``read_library`` of the regular file *path* (None for anything else). With *dir_fd*, *path*
-        is a name in that directory that must not be a symlink (what its listing said). It is opened
-        O_PATH, checked, then reopened through /proc/self/fd: exactly the file checked, and no FIFO,
-        socket or device is ever opened; a file read before (``ldelf.remember``) is not read again."""
+    def _regular(self, path: bytes, dir_fd: int | None) -> tuple[int, os.stat_result] | None:
+        """An O_PATH fd of *path* and its stat, if it is a regular file (nothing is opened for reading
+        yet: a FIFO cannot block, a device node is not opened). With *dir_fd*, *path* is a name in that
+        directory that must not be a symlink (what its listing said)."""
         if dir_fd is None:
             fd = self._open(path, os.O_PATH)
             if fd is None:
@@ -238,10 +224,32 @@ class _Tree:
                 fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
             except OSError:
                 return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+        return fd, st
+
+    def read_regular(self, path: bytes) -> tuple[int, int] | None:
+        """(an fd open for reading, its size) if *path* is a regular file, else None."""
+        found = self._regular(path, None)
+        if found is None:
+            return None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return None
+            return _reopen(found[0]), found[1].st_size
+        except OSError:
+            return None
+        finally:
+            os.close(found[0])
+
+    def library(self, path: bytes, name: bytes, dir_fd: int | None) -> LibraryInfo | None:
+        """``read_library`` of the regular file *path* (``_regular``), None for anything else; a file
+        read before (``ldelf.remember``: the same inode, unchanged) is not read again."""
+        found = self._regular(path, dir_fd)
+        if found is None:
+            return None
+        fd, st = found
+        try:
             if (answer := known(st)) is not UNKNOWN:
                 return answer  # type: ignore[return-value]
             readable = _reopen(fd)

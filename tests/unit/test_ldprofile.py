@@ -77,3 +77,11 @@ def test_a_kept_answer_anybody_could_write_is_not_read(tmp_path: Path, monkeypat
     monkeypatch.setattr(ldprofile, "_KNOWN", {})
     monkeypatch.setattr(ldprofile, "ask", lambda path: ProfileAnswer(None, "asked again"))
     assert profile_for(LDCONFIG, cache_dir) == ProfileAnswer(None, "asked again")
+
+
+def test_without_a_place_to_keep_the_answer_only_gpuhookd_asks() -> None:
+    """A hook with cache_dir null would ask on every start (two ldconfig runs to save one): it runs
+    ldconfig instead; gpuhookd asks once and its workers inherit the answer."""
+    assert "not asked" in profile_for(LDCONFIG, None).why_not
+    assert profile_for(LDCONFIG, None, keeps=True).profile is not None
+    assert profile_for(LDCONFIG, None).profile is not None  # this process keeps it now
