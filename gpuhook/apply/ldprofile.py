@@ -111,7 +111,7 @@ def ask(ldconfig: Path) -> ProfileAnswer:
         if (theirs / "etc/ld.so.cache").read_bytes() != (ours / "etc/ld.so.cache").read_bytes():
             return ProfileAnswer(None, f"{ldconfig} ({generator.decode(errors='replace')}) writes another cache "
                                        "than gpuhook on a sample tree")
-        if _links(theirs) != _links(ours):
+        if links_in(theirs) != links_in(ours):
             return ProfileAnswer(None, f"{ldconfig} makes other links than gpuhook on a sample tree")
         return ProfileAnswer(profile)
     except (OSError, subprocess.SubprocessError, ValueError) as err:  # ValueError: it failed (_run)
@@ -132,7 +132,8 @@ def _run(ldconfig: Path, root: Path, *args: str) -> bytes:
     return done.stdout + done.stderr
 
 
-def _links(root: Path) -> dict[str, str]:
+def links_in(root: Path) -> dict[str, str]:
+    """Every symlink under *root* (relative path → target), not followed: what ldconfig made and removed."""
     found = {}
     for directory, dirs, files in os.walk(root):
         for name in dirs + files:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gpuhook.apply.ldelf import read_library, sample_library
-from gpuhook.apply.ldprofile import ask, sample_tree
+from gpuhook.apply.ldprofile import ask, links_in, sample_tree
 from gpuhook.apply.ldwrite import LdconfigProfile, hidden_devices, write_ldcache
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.errors import ApplyError
@@ -177,16 +177,6 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
-def _links(root: Path) -> dict[str, str]:
-    found = {}
-    for directory, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(directory, name)
-            if os.path.islink(path):
-                found[os.path.relpath(path, root)] = os.readlink(path)
-    return found
-
-
 @pytest.fixture
 def twin(tmp_path: Path) -> Iterator[Callable[[Layout], tuple[Path, Path]]]:
     def make(layout: Layout) -> tuple[Path, Path]:
@@ -221,7 +211,7 @@ def test_the_cache_and_links_equal_ldconfigs(name: str, dirs: tuple[str, ...], t
     got, _ = _our_cache(ours, dirs, profile)
     assert parse_ldcache(got) == parse_ldcache(expected)
     assert got == expected
-    assert _links(ours) == _links(theirs)
+    assert links_in(ours) == links_in(theirs)
 
 
 def test_hundreds_of_real_libraries(twin, profile: LdconfigProfile) -> None:
@@ -235,14 +225,14 @@ def test_hundreds_of_real_libraries(twin, profile: LdconfigProfile) -> None:
 def test_an_undo_puts_every_link_and_the_cache_back(tmp_path: Path, profile: LdconfigProfile) -> None:
     odd_entries(tmp_path)
     _put(tmp_path, "/etc/ld.so.cache", b"the image's own cache")
-    before = _links(tmp_path)
+    before = links_in(tmp_path)
     fs = RootFs(os.open(tmp_path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
     fs.save_aside("/etc/ld.so.cache")
     fs.save_aside("/etc/ld.so.cache~")
     write_ldcache(fs, (), profile, frozenset(), deadline=time.monotonic() + 60)
-    assert _links(tmp_path) != before  # links were made and a stale one removed
+    assert links_in(tmp_path) != before  # links were made and a stale one removed
     assert fs.rollback() == []
-    assert _links(tmp_path) == before
+    assert links_in(tmp_path) == before
     assert (tmp_path / "etc/ld.so.cache").read_bytes() == b"the image's own cache"
     assert not (tmp_path / "etc/ld.so.cache~").exists()
 
