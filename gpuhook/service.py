@@ -579,11 +579,11 @@ def prepare_worker(config_path: str, *, required: bool) -> None:
 
     try:
         config = load_config(Path(config_path), required=required)
-    except GpuHookError:
+        inventory = warm(config)
+        if inventory is not None and _host_ldconfig(config, keeps=True).profile is not None:
+            ldelf.remember(f.host_path for f in (*inventory.libraries, *inventory.libraries32))
+    except Exception:  # noqa: BLE001 - an optimisation: whatever fails here, the request does itself
         return
-    inventory = warm(config)
-    if inventory is not None and _host_ldconfig(config, keeps=True).profile is not None:
-        ldelf.remember(f.host_path for f in (*inventory.libraries, *inventory.libraries32))
 
 
 def fork_apply_ahead(*, priority: int, close: Sequence[int] = ()) -> ChildAhead:
