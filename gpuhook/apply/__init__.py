@@ -39,7 +39,7 @@ import _socket
 from gpuhook.apply import cgroups
 from gpuhook.apply.children import wait_child
 from gpuhook.apply.ldconfig import LDCONFIG_DEADLINE_S, open_ldconfig, run_ldconfig
-from gpuhook.apply.ldwrite import LdconfigProfile, hidden_devices, write_ldcache
+from gpuhook.apply.ldwrite import MOST_LIBRARIES, CacheWriter, LdconfigProfile, hidden_devices
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.errors import ApplyError, error_from_dict
 from gpuhook.planning.plan import BindMount, CudaCompat, Plan, ProcDriverMount
@@ -348,7 +348,8 @@ def _apply_in_container(
     proc_binds = (*plan.proc_driver.gpu_dirs, *plan.proc_driver.cap_files) if plan.proc_driver else ()
     proc_trees = [_host_tree(BindMount(source=host_path, target="")) for host_path, _ in proc_binds]
     native = ldconfig.profile
-    ldconfig_fd = open_ldconfig(ldconfig.path) if plan.ldconfig and native is None else None
+    # Opened even where gpuhook writes the cache: an image with hundreds of libraries gets ldconfig.
+    ldconfig_fd = open_ldconfig(ldconfig.path) if plan.ldconfig else None
     shared = _shared_namespaces(container.pid)  # read in the hook's view, before entering the container
     syscalls.setns(pidfd, syscalls.CLONE_NEWNS)
     fs = RootFs(_open_rootfs(container))
@@ -375,9 +376,9 @@ def _apply_in_container(
                     skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
         done("proc")
         dirs = _compat_first(fs, plan, notes)
-        if dirs and native is not None:
-            _replace_ldcache(fs, plan, lambda budget: write_ldcache(
-                fs, dirs, native, hidden_devices(fs), deadline=time.monotonic() + budget), timeout, native=True)
+        writer = _cache_writer(fs, dirs, native, timeout, notes) if dirs and native is not None else None
+        if writer is not None:
+            _replace_ldcache(fs, plan, lambda _: writer.write(), timeout, native=True)
         elif dirs and ldconfig_fd is not None:
             _replace_ldcache(fs, plan, lambda budget: run_ldconfig(
                 ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared, timeout=budget, ahead=ldconfig_ahead,
@@ -389,6 +390,19 @@ def _apply_in_container(
             err.detail = f"{err.detail or 'failed'}; could not undo: {'; '.join(leftovers)}"
         raise
     return fs, skipped
+
+
+def _cache_writer(fs: RootFs, dirs: tuple[str, ...], native: LdconfigProfile, timeout: float,
+                  notes: list[str]) -> CacheWriter | None:
+    """gpuhook's writer of the container's cache, its directories found (nothing changed yet); None (and
+    a note) where the image has so many libraries that the sandboxed ldconfig is the quicker writer."""
+    with _step("ldconfig", LD_SO_CACHE):
+        writer = CacheWriter(fs, dirs, native, hidden_devices(fs),
+                             deadline=time.monotonic() + min(timeout / 2, LDCONFIG_DEADLINE_S))
+        if writer.library_names() <= MOST_LIBRARIES:
+            return writer
+    notes.append(f"{LD_SO_CACHE}: over {MOST_LIBRARIES} libraries to scan: the sandboxed ldconfig wrote it")
+    return None
 
 
 def _replace_ldcache(fs: RootFs, plan: Plan, write: Callable[[float], object], timeout: float, *, native: bool) -> None:

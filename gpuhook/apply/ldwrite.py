@@ -73,6 +73,11 @@ _MAX_INCLUDE_DEPTH: Final = 60
 _SPACE: Final = b" \t\n\v\f\r"
 _MAX_CONF: Final = 16 << 20
 _PRELINK: Final = re.compile(rb".*\.#prelink#(\.......)?\Z", re.DOTALL)
+#: Past this many library names in the directories to scan, the sandboxed ldconfig is the cheaper
+#: writer: it costs a start ~13 ms whatever the image, this module ~80 µs a library it has not read
+#: before (both measured on the 2-core VM; break-even near 150, and the driver's libraries, read by
+#: the idle gpuhookd worker, cost almost nothing), so an image with hundreds of its own runs ldconfig.
+MOST_LIBRARIES: Final = 300
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,22 +123,56 @@ class _Scan:
 def write_ldcache(fs: RootFs, dirs: tuple[str, ...], profile: LdconfigProfile, hidden: frozenset[int], *,
                   deadline: float) -> int:
     """Do what ``ldconfig -f /etc/ld.so.conf -C /etc/ld.so.cache *dirs*`` does in the rootfs of *fs*;
-    returns the number of libraries cached. *hidden*: the filesystems read as absent
-    (``hidden_devices``); *deadline*: a ``time.monotonic()`` past which it gives up (an image too
-    large to scan in time). Raises ApplyError where ldconfig would fail (no /etc to write into)."""
-    tree = _Tree(fs, hidden, deadline)
-    scan = _Scan()
-    for directory in dirs:
-        tree.add_dir(scan, os.fsencode(directory))
-    tree.parse_conf(scan, _CONF, 0)
-    for system_dir in profile.system_dirs:
-        tree.add_dir(scan, system_dir)
-    index = 0
-    while index < len(scan.dirs):  # scanning appends hwcap subdirectories, scanned in turn
-        tree.search_dir(scan, scan.dirs[index])
-        index += 1
-    tree.save(encode_ldcache(scan.records, scan.hwcaps_seen, profile.generator))
-    return len(scan.records)
+    returns the number of libraries cached (``CacheWriter``, whatever the image's size, its listings
+    made first, as a start makes them)."""
+    writer = CacheWriter(fs, dirs, profile, hidden, deadline=deadline)
+    writer.library_names()
+    return writer.write()
+
+
+class CacheWriter:
+    """One start's cache: its directories found first (nothing changed yet), then written.
+
+    *hidden*: the filesystems read as absent (``hidden_devices``); *deadline*: a ``time.monotonic()``
+    past which it gives up (an image too large to scan in time, or changed from outside meanwhile).
+    """
+
+    def __init__(self, fs: RootFs, dirs: tuple[str, ...], profile: LdconfigProfile, hidden: frozenset[int], *,
+                 deadline: float) -> None:
+        self._tree = _Tree(fs, hidden, deadline)
+        self._generator = profile.generator
+        self._scan = _Scan()
+        for directory in dirs:
+            self._tree.add_dir(self._scan, os.fsencode(directory))
+        self._tree.parse_conf(self._scan, _CONF, 0)
+        for system_dir in profile.system_dirs:
+            self._tree.add_dir(self._scan, system_dir)
+
+    def library_names(self, most: int = MOST_LIBRARIES) -> int:
+        """About how many libraries ``write`` would look at, counted up to just past *most*: names in
+        the directories and their hwcap subdirectories (listed once: ``write`` reuses the listings)."""
+        queue = [d.path for d in self._scan.dirs]
+        seen, count, index = set(queue), 0, 0
+        while index < len(queue) and count <= most:
+            for item in self._tree.remember_listing(queue[index]) or ():
+                name = item.name
+                if _is_dso(name) and (item.is_symlink() or item.is_file(follow_symlinks=False)):
+                    count += 1
+                elif name in _HWCAP_BITS and (sub := queue[index] + b"/" + name) not in seen:
+                    seen.add(sub)
+                    queue.append(sub)
+            index += 1
+        return count
+
+    def write(self) -> int:
+        """Scan, make the links, write the cache; the number of libraries cached. Raises ApplyError where
+        ldconfig would fail (no /etc to write into)."""
+        scan, index = self._scan, 0
+        while index < len(scan.dirs):  # scanning appends hwcap subdirectories, scanned in turn
+            self._tree.search_dir(scan, scan.dirs[index])
+            index += 1
+        self._tree.save(encode_ldcache(scan.records, scan.hwcaps_seen, self._generator))
+        return len(scan.records)
 
 
 def hidden_devices(fs: RootFs) -> frozenset[int]:
@@ -158,6 +197,8 @@ class _Tree:
         self.root_fd = fs.root_fd
         self.hidden = hidden
         self.deadline = deadline
+        #: listings made before the scan changed anything (``CacheWriter.library_names``), by path
+        self._listed: dict[bytes, list[_BytesEntry] | None] = {}
 
     def check_time(self, path: bytes) -> None:
         if time.monotonic() > self.deadline:
@@ -193,17 +234,26 @@ class _Tree:
 
     def listing(self, path: bytes) -> list[_BytesEntry] | None:
         """opendir + readdir, in the directory's own order (ldconfig's order matters), or None."""
+        if path in self._listed:
+            return self._listed[path]
         opened = self.open_listing(path)
         if opened is None:
             return None
         os.close(opened[0])
         return opened[1]
 
+    def remember_listing(self, path: bytes) -> list[_BytesEntry] | None:
+        """``listing``, kept for ``open_listing`` (while nothing has changed the tree yet)."""
+        listed = self._listed[path] = self.listing(path)
+        return listed
+
     def open_listing(self, path: bytes) -> tuple[int, list[_BytesEntry]] | None:
-        """The directory's fd (O_RDONLY, the caller closes it) and its listing, or None."""
+        """The directory's fd (O_RDONLY, the caller closes it) and its listing (the one kept, if any), or None."""
         fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
         if fd is None:
             return None
+        if (kept := self._listed.pop(path, None)) is not None:
+            return fd, kept
         try:
             with os.scandir(fd) as entries:
                 return fd, [_BytesEntry(e) for e in entries]

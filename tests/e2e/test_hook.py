@@ -15,7 +15,7 @@ import pytest
 from integration.engines import host_mounts, tree_snapshot
 from integration.fakehost import FakeHost
 
-from .conftest import MakeContainer
+from .conftest import MakeContainer, hook_entry
 
 TWO_GPUS = {"NVIDIA_VISIBLE_DEVICES": "1,3", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
 PROBE = (
@@ -213,3 +213,49 @@ def test_an_image_without_cuda_compat_gets_no_warning(make_container: MakeContai
     events = [json.loads(line) for line in log.read_bytes()[offset:].splitlines()]
     assert "applied" in {e["event"] for e in events}
     assert [e for e in events if e["level"] == "warning" and "cuda/compat" in json.dumps(e)] == []
+
+
+def test_the_cache_gpuhook_writes_is_the_sandboxed_ldconfigs(make_container: MakeContainer, host: FakeHost,
+                                                              tmp_path: Path) -> None:
+    """The same start with gpuhook writing the cache (the default) and with the sandboxed ldconfig
+    (``ldconfig_native: false``) leaves byte-equal caches and the same links in the rootfs; only
+    ldconfig leaves its auxiliary cache."""
+    from gpuhook.apply.ldprofile import links_in
+
+    sandboxed = tmp_path / "sandboxed.yaml"
+    sandboxed.write_text(host.config_path.read_text() + "\nldconfig_native: false\n")
+    ours = make_container("dltest libcuda.so.1", TWO_GPUS, prepare=_with_var_cache)
+    theirs = make_container("dltest libcuda.so.1", TWO_GPUS, prepare=_with_var_cache,
+                            hook=hook_entry(sandboxed, "prestart"))
+    for container in (ours, theirs):
+        result = container.run()
+        assert result.returncode == 0 and "dlopen libcuda.so.1: OK" in result.stdout, result.stderr
+    assert (ours.rootfs / "etc/ld.so.cache").read_bytes() == (theirs.rootfs / "etc/ld.so.cache").read_bytes()
+    assert links_in(ours.rootfs) == links_in(theirs.rootfs)
+    assert not (ours.rootfs / "var/cache/ldconfig").exists()
+    assert (theirs.rootfs / "var/cache/ldconfig/aux-cache").exists()
+
+
+def test_an_image_with_hundreds_of_libraries_gets_ldconfig(make_container: MakeContainer) -> None:
+    """Past ldwrite.MOST_LIBRARIES the sandboxed ldconfig is the quicker writer, and it writes the cache."""
+    from gpuhook.apply.ldelf import sample_library
+    from gpuhook.apply.ldwrite import MOST_LIBRARIES
+    from gpuhook.ldcache import parse_ldcache
+
+    def prepare(rootfs: Path) -> None:
+        _with_var_cache(rootfs)
+        lib = rootfs / "usr/lib/x86_64-linux-gnu"
+        for n in range(MOST_LIBRARIES + 1):
+            (lib / f"libmany{n}.so.1").write_bytes(sample_library(f"libmany{n}.so.1".encode()))
+
+    container = make_container("dltest libcuda.so.1", TWO_GPUS, prepare=prepare)
+    result = container.run()
+    assert result.returncode == 0 and "dlopen libcuda.so.1: OK" in result.stdout, result.stderr
+    assert (container.rootfs / "var/cache/ldconfig/aux-cache").exists()  # ldconfig ran
+    cached = {e.key for e in parse_ldcache((container.rootfs / "etc/ld.so.cache").read_bytes())}
+    assert {"libmany0.so.1", f"libmany{MOST_LIBRARIES}.so.1", "libcuda.so.1"} <= cached
+
+
+def _with_var_cache(rootfs: Path) -> None:
+    """/var/cache in the image: where ldconfig, and only ldconfig, leaves its auxiliary cache."""
+    (rootfs / "var/cache").mkdir(parents=True, exist_ok=True)
