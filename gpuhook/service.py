@@ -26,7 +26,7 @@ import resource
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
 from gpuhook import catalog
@@ -635,6 +635,56 @@ def render_spec_edit(config: Config, raw: Mapping[str, Any], spec: BundleSpec, *
     device_plan = _creating_nodes(config, found, lambda: inventory_for(config, live_needs(request)),
                                   lambda f: plan_devices(request, f.inventory, f.live))
     return add_devices(raw, device_plan.devices, env=_mps_env(config, found.inventory, device_plan.gpus))
+
+
+def edit_runtime_bundle(settings: Callable[[], Config], config_arg: str | None, bundle: Path,
+                        relay: PurePath | None, *, socket: str | None = None, root_fd: int | None = None) -> bool:
+    """The runtime wrapper's spec edit (``gpuhook-runtime`` on ``create``/``run``): the requested GPUs'
+    devices and rules, and gpuhook's prestart and poststop hooks (*relay*: gpuhook-relay, else the
+    Python hook; *socket*: gpuhookd's, for them, if not the default), written into ``<bundle>/config.json``
+    atomically, with its mode; True if it asks for a GPU and was edited. *settings*: loaded only then.
+    *root_fd*: resolve *bundle* from this root (gpuhookd: the caller's, which it opened itself). Raises
+    GpuHookError."""
+    from gpuhook.hookcall import read_config_json
+    from gpuhook.oci import strictjson
+    from gpuhook.oci.spec import SPEC_LIMIT, spec_from_object
+    from gpuhook.request.quick import asks_for_gpu
+    from gpuhook.request.runtimecall import add_hooks
+
+    shown = bundle / "config.json"
+    raw = strictjson.loads_object(read_config_json(str(bundle), limit=SPEC_LIMIT, root_fd=root_fd), what=str(shown),
+                                  limit=SPEC_LIMIT)
+    if not asks_for_gpu(raw):
+        return False
+    config = settings()
+    spec = spec_from_object(raw, bundle)
+    if request_for(spec, config) is None:  # void, or a marker that asks for nothing
+        return False
+    edited = render_spec_edit(config, raw, spec, hook_follows=True)
+    # The hooks go in whenever a GPU is asked for: the prestart one takes the lease (and places a
+    # count=N request, which the spec edit leaves to it), the poststop one gives it back.
+    _replace_spec(bundle, add_hooks(dict(edited), config_arg, relay, socket), root_fd)
+    return True
+
+
+def _replace_spec(bundle: Path, spec: Mapping[str, Any], root_fd: int | None) -> None:
+    """``<bundle>/config.json`` replaced atomically (same directory, same mode): a runtime never reads half a spec."""
+    import json
+
+    from gpuhook.sys import pathrs
+    from gpuhook.sys.files import replace_at
+
+    try:
+        dir_fd = (pathrs.openat2(root_fd, str(bundle), os.O_PATH | os.O_DIRECTORY,
+                                 pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS)
+                  if root_fd is not None else os.open(bundle, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        try:
+            mode = os.stat("config.json", dir_fd=dir_fd, follow_symlinks=False).st_mode & 0o7777
+            replace_at(dir_fd, "config.json", json.dumps(spec).encode(), mode=mode)
+        finally:
+            os.close(dir_fd)
+    except OSError as err:
+        raise SpecError(f"cannot write {bundle / 'config.json'}: {err.strerror or err}") from err
 
 
 def _creating_nodes(config: Config, found: Found, rediscover: Callable[[], Found], plan: Callable[[Found], P]) -> P:

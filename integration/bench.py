@@ -243,6 +243,7 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
     with_metrics = write_config(configs / "host8-metrics.yaml", hosts[8], cache=True, metrics=METRICS_ADDRESS)
     # gpuhook-runtime finds its config as under dockerd: in its environment, which it inherits from here.
     os.environ["GPUHOOK_CONFIG"] = str(cfg[8])
+    os.environ["GPUHOOK_DAEMON_SOCKET"] = daemon_for(cfg[8])  # and gpuhookd's socket, for it and its hooks
 
     def hook(config: Path) -> tuple[str, ...]:
         return (str(relay), "--config", str(config), "--daemon-socket", daemon_for(config), "prestart")
@@ -289,8 +290,8 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
                  hook_env=(f"GPUHOOK_CONFIG={cfg[8]}",), cached=True),
         Scenario("runtime-no-gpu", "gpuhook-runtime as the runtime (docker --runtime nvidia), container asks for "
                  "no GPU", hosts[8], wrapper=runtime_for(relay)),
-        Scenario("runtime-gpu8", "gpuhook-runtime as the runtime, 8 GPUs compute,utility (its Python spec edit, "
-                 "then its Python hooks, no gpuhookd)", hosts[8], gpus(COMPUTE), wrapper=runtime_for(relay)),
+        Scenario("runtime-gpu8", "gpuhook-runtime as the runtime, 8 GPUs compute,utility (gpuhookd edits the spec "
+                 "and serves its hooks)", hosts[8], gpus(COMPUTE), wrapper=runtime_for(relay)),
         Scenario("static8", "static floor: 8 GPUs' devices + mounts in config.json, no hook", hosts[8],
                  static=static_floor(python, cfg[8], gpus(COMPUTE), rootfs_src, work)),
         Scenario("python-floor", "reference: hook = `python -I -c pass` (interpreter floor)",

@@ -13,6 +13,9 @@
  * allow-listed environment (fallback_environment). Once a request is sent, anything but a reply
  * is an error, never a fallback: the work may have been half done and rolled back. Every wait has
  * a deadline (the *_TIMEOUT_* values below), so the worst case is their sum.
+ *
+ * Run as argv[0] "gpuhook-runtime" (by relay/gpuhook-runtime.c, for the create of a container that
+ * may ask for a GPU) it relays the runtime wrapper's spec edit instead: see runtime_main.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -29,6 +32,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "runtime_exec.h"
+
 #ifndef GPUHOOK_VERSION
 #error "build with relay/build.sh, which sets GPUHOOK_VERSION from gpuhook/__init__.py"
 #endif
@@ -42,8 +47,7 @@
 #define REPLY_TIMEOUT_S 150     /* client.REPLY_TIMEOUT: longer than the daemon's own request limit */
 #define DEFAULT_PATH "PATH=/usr/sbin:/usr/bin:/sbin:/bin"
 #define NFDS 5                  /* client.NAMESPACES and the root, in that order */
-
-extern char **environ;
+#define RUNTIME_MODE "gpuhook-runtime"  /* request/runtimecall.py RELAYED */
 
 static char state[STATE_LIMIT + 1];
 static size_t state_len;
@@ -332,6 +336,19 @@ static _Noreturn void fallback(char **argv)
     cannot_run(strerror(errno));
 }
 
+/* The Python runtime wrapper (python_hook in runtime mode), with the runtime's argv and environment. */
+static _Noreturn void runtime_fallback(char **argv)
+{
+    int wrapper = open_python_hook();  /* never this relay, nor a copy of it */
+    (void)close(wrapper);
+    if (sock >= 0)
+        (void)close(sock);
+    argv[0] = python_hook;
+    (void)sigprocmask(SIG_SETMASK, &saved_mask, NULL);  /* cannot fail: valid arguments */
+    execve(python_hook, argv, environ);  /* a script (`#!python -I`): by path, as fallback() runs one */
+    cannot_run(strerror(errno));
+}
+
 /*
  * 0: sock is connected to a root server at path; -1: not (nothing was sent, the fallback is safe).
  * A listener whose backlog is full (a daemon not accepting) blocks connect(), and a non-blocking
@@ -501,9 +518,74 @@ static void receive_reply(const char *path)
     exit(negative ? (status ? 1 : 0) : status > 255 ? 255 : (int)status);
 }
 
+/* 1: the reply is `gpuhookd/1 done 0 N\n` and its N bytes (the edit is made); 0: anything else. */
+static int edited(void)
+{
+    long long deadline = now_ms() + REPLY_TIMEOUT_S * 1000LL;
+    size_t len = 0;
+    for (;;) {
+        if (len > REPLY_LIMIT || !readable(sock, deadline))
+            return 0;
+        ssize_t n = recv(sock, out + len, REPLY_LIMIT + 1 - len, MSG_DONTWAIT);  /* poll said: never blocks */
+        if (n == 0)
+            break;
+        if (n > 0)
+            len += (size_t)n;
+        else if (errno != EINTR && errno != EAGAIN)
+            return 0;
+    }
+    out[len] = '\0';
+    const char *p = out;
+    unsigned long status, size;
+    if (strncmp(p, "gpuhookd/1 done ", 16) != 0)
+        return 0;
+    p += 16;
+    return (p = number(p, ' ', &status)) && (p = number(p, '\n', &size)) && status == 0 &&
+           size == len - (size_t)(p - out);
+}
+
+/*
+ * The runtime wrapper's spec edit: argv is RUNTIME_MODE and then the runtime's own arguments (runc's
+ * global options, create or run, its options). gpuhookd gets a `relay` request whose argv is
+ * RUNTIME_MODE, this relay's path (for the hooks it registers) and those arguments, our environment
+ * (the engine's: its config search and tripwire need it) and no state (stdin is the container's, not
+ * ours to read); it edits <bundle>/config.json through our root. On `done 0` we exec runc as
+ * gpuhook-runtime.c would. Anything else (no daemon, declined, a failure, no answer) goes to the Python
+ * wrapper, <prefix>/bin/gpuhook-runtime, with the runtime's argv and environment: it edits the spec
+ * itself (the edit is atomic and idempotent, so one gpuhookd half did is simply done again) and
+ * reports whatever is wrong in the engine's log.
+ */
+static _Noreturn void runtime_main(int argc, char **argv)
+{
+    static char *request[4096];
+    const char *path = getenv("GPUHOOK_DAEMON_SOCKET");
+    char *slash;
+    if (!path || path[0] != '/')
+        path = DEFAULT_SOCKET;
+    find_python_hook();  /* self_path; python_hook names bin/gpuhook, made bin/gpuhook-runtime below */
+    slash = strrchr(python_hook, '/');
+    if ((size_t)(slash - python_hook) + sizeof "/" RUNTIME_MODE > sizeof python_hook)
+        die("cannot find its own executable", "path too long");
+    memcpy(slash + 1, RUNTIME_MODE, sizeof RUNTIME_MODE);
+    command = slash + 1;
+    if ((size_t)argc + 2 > sizeof request / sizeof *request)
+        runtime_fallback(argv);
+    request[0] = (char *)command;
+    request[1] = self_path;
+    for (int i = 1; i < argc; i++)
+        request[i + 1] = argv[i];
+    request[argc + 1] = NULL;
+    if (connect_daemon(path) || send_request(request) || !edited())
+        runtime_fallback(argv);
+    (void)close(sock);
+    (void)sigprocmask(SIG_SETMASK, &saved_mask, NULL);
+    exec_runtime(argv);
+}
+
 int main(int argc, char **argv)
 {
     const char *path = DEFAULT_SOCKET;
+    const char *slash;
     sigset_t pipe_set;
     if (argc < 1) {
         fputs("gpuhook: gpuhook-relay started without argv\n", stderr);
@@ -519,6 +601,9 @@ int main(int argc, char **argv)
      * MSG_NOSIGNAL). Only paths that exit write to stderr; the fallback gets the runtime's mask back. */
     if (sigemptyset(&pipe_set) || sigaddset(&pipe_set, SIGPIPE) || sigprocmask(SIG_BLOCK, &pipe_set, &saved_mask))
         return 1;
+    slash = strrchr(argv[0], '/');
+    if (strcmp(slash ? slash + 1 : argv[0], RUNTIME_MODE) == 0)
+        runtime_main(argc, argv);  /* the engine's environment is checked by gpuhookd, or the Python wrapper */
     check_environment();
     find_python_hook();
     for (int i = 1; i < argc; i++)

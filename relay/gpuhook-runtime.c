@@ -13,6 +13,10 @@
  * GPU_MARKERS): a config.json with none of those byte strings certainly asks for none. Any config.json
  * this cannot read in full (missing, too big, unreadable) goes to the Python wrapper, which reports it.
  * The Python wrapper is <prefix>/bin/gpuhook-runtime beside <prefix>/libexec/ where this program lives.
+ *
+ * Where <prefix>/bin/gpuhook-relay is installed, a GPU create goes to it first (as argv[0]
+ * "gpuhook-runtime", then our argv): it has gpuhookd edit the spec, warm, and then execs runc itself;
+ * whatever gpuhookd does not do, it hands to the Python wrapper with our argv and environment.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -22,10 +26,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define SPEC_LIMIT (8 << 20)  /* oci.spec.SPEC_LIMIT: a bigger config.json goes to the Python wrapper */
-#define RUNTIME_DIRS { "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin" }
+#include "runtime_exec.h"
 
-extern char **environ;
+#define SPEC_LIMIT (8 << 20)  /* oci.spec.SPEC_LIMIT: a bigger config.json goes to the Python wrapper */
 
 /* request/quick.py GPU_MARKERS, in the same order. */
 static const char *const markers[] = { "\\u", "NVIDIA_", "CUDA_VERSION", "nvidia-container-devices", "cdi.k8s.io" };
@@ -112,22 +115,22 @@ static int certainly_no_gpu(const char *bundle)
     return 1;
 }
 
-/* runc, else crun, from the trusted directories only (never the engine's PATH). */
-static _Noreturn void exec_runtime(char **argv)
+/* <prefix>/bin/NAME for this program at <prefix>/libexec/...; 0 if it cannot be named. */
+static int beside_bin(const char *name, char *out, size_t size)
 {
-    static const char *const dirs[] = RUNTIME_DIRS;
-    static const char *const names[] = { "runc", "crun" };
-    char path[256];
-    for (size_t n = 0; n < 2; n++)
-        for (size_t d = 0; d < sizeof dirs / sizeof *dirs; d++) {
-            (void)snprintf(path, sizeof path, "%s/%s", dirs[d], names[n]);  /* short constants: fits */
-            if (access(path, X_OK) == 0) {
-                argv[0] = path;
-                execve(path, argv, environ);
-                fail(path, strerror(errno));
-            }
-        }
-    fail("neither runc nor crun found in", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
+    char exe[2048];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0 || (size_t)n >= sizeof exe - 1)
+        return 0;
+    exe[n] = '\0';
+    for (int up = 0; up < 2; up++) {  /* this program's directory, then its parent, which holds bin */
+        char *slash = strrchr(exe, '/');
+        if (!slash || slash == exe)
+            return 0;
+        *slash = '\0';
+    }
+    int w = snprintf(out, size, "%s/bin/%s", exe, name);
+    return w > 0 && (size_t)w < size;
 }
 
 /* <prefix>/bin/gpuhook-runtime for this program at <prefix>/libexec/..., refused if it is this program. */
@@ -155,6 +158,20 @@ static _Noreturn void exec_python_wrapper(char **argv)
     fail(wrapper, strerror(errno));
 }
 
+/* gpuhook-relay beside the Python wrapper, for gpuhookd to edit the spec; the wrapper if there is none. */
+static _Noreturn void exec_relay(char **argv)
+{
+    static char mode[] = "gpuhook-runtime";  /* the relay's runtime mode: request/runtimecall.py RELAYED */
+    char relay[2100];
+    if (beside_bin("gpuhook-relay", relay, sizeof relay) && access(relay, X_OK) == 0) {
+        char *self = argv[0];
+        argv[0] = mode;
+        execve(relay, argv, environ);
+        argv[0] = self;  /* not runnable after all: the Python wrapper does it all */
+    }
+    exec_python_wrapper(argv);
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 1)
@@ -162,6 +179,6 @@ int main(int argc, char **argv)
     int at = command_index(argc, argv);
     if (at < argc && (strcmp(argv[at], "create") == 0 || strcmp(argv[at], "run") == 0) &&
         !certainly_no_gpu(bundle_of(argc, argv, at)))
-        exec_python_wrapper(argv);
+        exec_relay(argv);
     exec_runtime(argv);
 }

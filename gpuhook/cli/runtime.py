@@ -16,53 +16,25 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from gpuhook.errors import GpuHookError, report_failure
 from gpuhook.hookcall import check_environment
+from gpuhook.request.runtimecall import (  # noqa: F401 - re-exported: the wrapper's names, as tests know them
+    ENGINE_ENV_FIX, HOOK_ENV, HOOK_STAGES, VALUE_OPTIONS, add_hook, add_hooks, bundle_arg, command_at,
+    daemon_socket, engine_environment, hook_entry,
+)
 
 #: Trusted locations only: the wrapper runs as root and must not pick a runtime from a daemon's PATH.
 RUNTIME_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-HOOK_ENV: Final = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
-ENGINE_ENV_FIX: Final = ("gpuhook-runtime inherits its engine's environment (dockerd's, or containerd's for its "
-                         "shims): remove them from that service's unit (systemctl edit docker.service or "
-                         "containerd.service) and restart it")
-#: The stages the wrapper registers gpuhook's hook for: the start that gives the GPUs, and the
-#: deletion that releases their lease.
-HOOK_STAGES: Final = ("prestart", "poststop")
-
-
-#: runc's and crun's global options that take a value (``--root DIR`` or ``--root=DIR``), as
-#: relay/gpuhook-runtime.c skips them to find the command word.
-VALUE_OPTIONS: Final = frozenset({"--root", "--log", "--log-format", "--log-level", "--criu", "--rootless",
-                                  "--cgroup-manager"})
-
-
-def command_at(argv: Sequence[str]) -> int:
-    """The index of the command word: the first argument that is not a global option (len(argv) if none)."""
-    i = 0
-    while i < len(argv) and argv[i].startswith("-"):
-        if argv[i] == "--":
-            return i + 1
-        i += 2 if argv[i] in VALUE_OPTIONS else 1
-    return min(i, len(argv))
 
 
 def bundle_of(argv: Sequence[str]) -> Path | None:
     """The bundle of a ``create``/``run`` invocation (``--bundle``/``-b``, default cwd); None otherwise."""
-    at = command_at(argv)
-    if at == len(argv) or argv[at] not in ("create", "run"):
-        return None
-    rest = list(argv[at + 1:])
-    for i, arg in enumerate(rest):
-        if arg in ("--bundle", "-b") and i + 1 < len(rest):
-            return Path(rest[i + 1])
-        name, eq, value = arg.partition("=")
-        if eq and name in ("--bundle", "-b"):
-            return Path(value)
-    return Path.cwd()
+    given = bundle_arg(argv)
+    return None if given is None else Path(given) if given else Path.cwd()
 
 
 def log_target(argv: Sequence[str]) -> tuple[str | None, str]:
@@ -97,47 +69,12 @@ def write_runtime_log(path: str, fmt: str, message: str) -> None:
         print(f"gpuhook-runtime: cannot write the runtime log {path}: {err.strerror or err}", file=sys.stderr)
 
 
-#: containerd starts every shim, and so the runtime, with its own library directory added to
-#: LD_LIBRARY_PATH (observed: "/opt/containerd/lib:"): the engine's setting, not the container's.
-CONTAINERD_LIBRARY_PATH: Final = frozenset({"/opt/containerd/lib", ""})
-
-
-def engine_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """*env* without containerd's own LD_LIBRARY_PATH (exactly that value; anything else still trips the check)."""
-    return {key: value for key, value in env.items()
-            if not (key == "LD_LIBRARY_PATH" and set(value.split(":")) <= CONTAINERD_LIBRARY_PATH)}
-
-
 def installed_relay() -> Path | None:
     """gpuhook-relay beside this wrapper's launcher (the packages' ``bin/``, which ``libexec/gpuhook-runtime``
     runs by absolute path), to register instead of the Python hook: gpuhookd then serves the start."""
     launcher = Path(sys.argv[0])
     relay = launcher.with_name("gpuhook-relay")
     return relay if launcher.is_absolute() and relay.is_file() else None
-
-
-def hook_entry(config: str | None, stage: str = "prestart", relay: Path | None = None) -> dict[str, Any]:
-    """gpuhook's hook for *stage*: *relay* (gpuhook-relay, served by gpuhookd), else as this interpreter runs
-    it (absolute path, isolated); an explicit env either way."""
-    given = ["--config", config] if config else []
-    if relay is not None:
-        return {"path": str(relay), "args": [str(relay), *given, stage], "env": HOOK_ENV}
-    return {"path": sys.executable, "args": [sys.executable, "-I", "-m", "gpuhook", *given, stage], "env": HOOK_ENV}
-
-
-def add_hook(spec: dict[str, Any], hook: dict[str, Any], stage: str = "prestart") -> dict[str, Any]:
-    """*spec* with *hook* first among the *stage* hooks (once)."""
-    hooks = spec.setdefault("hooks", {}).setdefault(stage, [])
-    if hook not in hooks:
-        hooks.insert(0, hook)
-    return spec
-
-
-def add_hooks(spec: dict[str, Any], config: str | None, relay: Path | None = None) -> dict[str, Any]:
-    """*spec* with gpuhook's hook first among the hooks of each of HOOK_STAGES (once each)."""
-    for stage in HOOK_STAGES:
-        add_hook(spec, hook_entry(config, stage, relay), stage)
-    return spec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -166,21 +103,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _edit(bundle: Path, config: str | None) -> None:
     """Put the devices and the hook into ``<bundle>/config.json`` if the container asks for a GPU."""
     from gpuhook import service
-    from gpuhook.cli.specedit import write_spec
-    from gpuhook.hookcall import read_config_json
-    from gpuhook.oci import strictjson
-    from gpuhook.oci.spec import SPEC_LIMIT, spec_from_object
-    from gpuhook.request.quick import asks_for_gpu
 
-    path = bundle / "config.json"
-    raw = strictjson.loads_object(read_config_json(str(bundle), limit=SPEC_LIMIT), what=str(path), limit=SPEC_LIMIT)
-    if not asks_for_gpu(raw):
-        return
-    settings = service.load_settings(config, False, os.environ)
-    spec = spec_from_object(raw, bundle)
-    if service.request_for(spec, settings) is None:  # void, or a marker that asks for nothing
-        return
-    edited = service.render_spec_edit(settings, raw, spec, hook_follows=True)
-    # The hooks go in whenever a GPU is asked for: the prestart one takes the lease (and places a
-    # count=N request, which the spec edit leaves to it), the poststop one gives it back.
-    write_spec(path, add_hooks(dict(edited), config, installed_relay()))
+    service.edit_runtime_bundle(lambda: service.load_settings(config, False, os.environ), config, bundle,
+                                installed_relay(), socket=daemon_socket(os.environ))

@@ -38,13 +38,14 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 from gpuhook import __version__, hookcall, service
 from gpuhook.config import resolve_config_path
 from gpuhook.daemon import trust, wire
 from gpuhook.errors import ConfigError, GpuHookError, SpecError, UsageError, report_failure
 from gpuhook.log import get_logger
-from gpuhook.request import nvcli
+from gpuhook.request import nvcli, runtimecall
 from gpuhook.sys import fdpass
 
 TYPE_CHECKING = False
@@ -108,12 +109,22 @@ def preload() -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class RuntimeEdit:
+    """The runtime wrapper's spec edit of a GPU ``create``, relayed (relay/gpuhook-runtime.c, gpuhook-relay)."""
+
+    bundle: Path  # absolute, in the caller's root
+    relay: PurePosixPath | None  # the relay that sent it, to register as the hooks
+    config_arg: str | None  # its $GPUHOOK_CONFIG, which the hooks are given
+    socket: str | None  # its $GPUHOOK_DAEMON_SOCKET, likewise
+
+
+@dataclass(frozen=True, slots=True)
 class HookWork:
     """A request that needs GPU work in the hook's view: the hook's inputs, decoded, and the fds of that view."""
 
     fds: list[int]  # the hook's mnt, cgroup, pid and user namespaces, and its root
-    #: a hook's call, or nvidia-container-cli's ``configure`` (ctr run --gpus) relayed
-    call: hookcall.HookCall | nvcli.Configure
+    #: a hook's call, nvidia-container-cli's ``configure`` (ctr run --gpus) or the runtime wrapper's spec edit
+    call: hookcall.HookCall | nvcli.Configure | RuntimeEdit
     debug: bool
     #: when its first byte was awaited and when it was decoded and checked (time.monotonic)
     received: float = 0.0
@@ -199,7 +210,7 @@ def _answer(conn: socket.socket, reply: Reply) -> None:
     signal.alarm(0)
 
 
-def _triage(kind: bytes, parts: list[bytes], fds: list[int],  # noqa: PLR0911 - one return per outcome
+def _triage(kind: bytes, parts: list[bytes], fds: list[int],  # noqa: PLR0911, PLR0912 - one return per outcome
             config: OwnConfig) -> Reply | HookWork:
     """The reply to a request that needs no GPU work, or the decoded GPU work.
 
@@ -215,6 +226,8 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int],  # noqa: PLR0911 - 
             version, argv, env, state_bytes = wire.decode_relay_parts(parts)
             if argv[:1] == [nvcli.PROG]:
                 return _triage_cli(version, argv[1:], env, fds, config)
+            if argv[:1] == [runtimecall.RELAYED]:
+                return _triage_runtime(version, argv[1:], env, fds, config)
             spec_bytes = None
             relayed = hookcall.relayed_hook_args(argv)
             if relayed is None:  # --help, another command, a mistake: gpuhook's own CLI answers those
@@ -249,6 +262,30 @@ def _triage(kind: bytes, parts: list[bytes], fds: list[int],  # noqa: PLR0911 - 
     # is refused here, as the in-process start refuses it, not handed back (nothing is gained by that).
     reason = trust.check_container(call.state.get("pid"), fds[0])
     return (b"done", 1, report_failure(SpecError(reason)) + "\n") if reason else HookWork(fds, call, args.debug)
+
+
+def _triage_runtime(version: str, argv: list[str], env: dict[str, str], fds: list[int],
+                    config: OwnConfig) -> Reply | HookWork:
+    """A relayed runtime wrapper's ``create``/``run`` of a container that may ask for a GPU (argv: the relay's
+    path, then the runtime's argv): its spec edit is GPU work, on this daemon's config; anything the
+    Python wrapper would refuse or report is declined to it, which does the work and says why."""
+    if version != __version__:
+        return (b"declined", 0,
+                f"gpuhookd runs gpuhook {__version__}, the runtime {version} (restart gpuhookd after an upgrade)")
+    relay, runtime_argv = (argv[0], argv[1:]) if argv else ("", [])
+    given = runtimecall.bundle_arg(runtime_argv)
+    if given is None or not given.startswith("/"):
+        return b"declined", 0, f"not a create or run with an absolute --bundle: {' '.join(runtime_argv)[:200]}"
+    try:
+        hookcall.check_environment(runtimecall.engine_environment(env), fix=runtimecall.ENGINE_ENV_FIX)
+    except GpuHookError as err:
+        return b"declined", 0, str(err)
+    reason = trust.check_config(str(resolve_config_path(None, env)[0]), config.path)
+    if reason:
+        return b"declined", 0, reason
+    edit = RuntimeEdit(Path(given), PurePosixPath(relay) if relay.startswith("/") else None, env.get("GPUHOOK_CONFIG"),
+                       runtimecall.daemon_socket(env))
+    return HookWork(fds, edit, debug=False)
 
 
 def _triage_cli(version: str, argv: list[str], env: dict[str, str], fds: list[int],
@@ -286,16 +323,20 @@ def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhe
         except GpuHookError as err:
             _send_quietly(conn, wire.encode_reply(b"done", 1, report_failure(err) + "\n"))
             return
-        reason = service.enter_hook_view(work.fds)
-        if reason:
-            say(f"declined: {reason[:_JOURNAL_LIMIT]}")
-            _send_quietly(conn, wire.encode_reply(b"declined", 0, reason))
-            return
-        # The apply child was forked in the daemon's view: it takes the hook's mount namespace and root.
-        ahead = (service.ChildForkedAhead(apply_child, mount_ns_fd=work.fds[0], root_fd=work.fds[4])
-                 if apply_child else None)
-        starting = time.monotonic()
-        status, message = run_start(work.call, config, ahead)
+        if isinstance(work.call, RuntimeEdit):  # files only, through the caller's root: no namespace to enter
+            starting = time.monotonic()
+            status, message = run_runtime_edit(work.call, config, work.fds[4])
+        else:
+            reason = service.enter_hook_view(work.fds)
+            if reason:
+                say(f"declined: {reason[:_JOURNAL_LIMIT]}")
+                _send_quietly(conn, wire.encode_reply(b"declined", 0, reason))
+                return
+            # The apply child was forked in the daemon's view: it takes the hook's mount namespace and root.
+            ahead = (service.ChildForkedAhead(apply_child, mount_ns_fd=work.fds[0], root_fd=work.fds[4])
+                     if apply_child else None)
+            starting = time.monotonic()
+            status, message = run_start(work.call, config, ahead)
     finally:
         _close_all(work.fds)
     # Logged before the reply (a tenth of a millisecond), so the event never lands after the hook's exit.
@@ -304,6 +345,20 @@ def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhe
     steps = {b: round((tb - ta) * 1000, 2) for (_, ta), (b, tb) in itertools.pairwise(marks.items())}
     get_logger().info("request_served", ms=round((marks["start"] - work.received) * 1000, 2), steps_ms=steps)
     _send_quietly(conn, wire.encode_reply(b"done", status, message))
+
+
+def run_runtime_edit(edit: RuntimeEdit, config: Config, root_fd: int) -> tuple[int, str]:
+    """The runtime wrapper's spec edit under *config*, the bundle resolved in the caller's root: (status, stderr)."""
+    try:
+        edited = service.edit_runtime_bundle(lambda: config, edit.config_arg, edit.bundle, edit.relay,
+                                             socket=edit.socket, root_fd=root_fd)
+    except GpuHookError as err:
+        return 1, report_failure(err) + "\n"
+    except Exception:  # noqa: BLE001 - a bug: the wrapper falls back and reports for itself
+        return 1, f"gpuhook: internal error in gpuhookd:\n{traceback.format_exc()}"
+    get_logger().info("runtime_spec_edited" if edited else "runtime_no_gpu_requested", bundle=str(edit.bundle),
+                      served_by="gpuhookd")
+    return 0, ""
 
 
 def run_start(call: hookcall.HookCall | nvcli.Configure, config: Config,

@@ -11,6 +11,7 @@ import pytest
 
 from integration.engines import unique_id
 from integration.fakehost import FakeHost
+from integration.gpuhookd import Gpuhookd
 from integration.relay import runtime_for
 
 from .conftest import MakeContainer
@@ -93,3 +94,31 @@ def test_the_runtime_front_end_registers_the_relay(make_container: MakeContainer
     assert [(h["path"], h["args"][1:]) for stage in ("prestart", "poststop") for h in hooks[stage]] == [
         (str(relay), ["--config", str(host.config_path), "prestart"]),
         (str(relay), ["--config", str(host.config_path), "poststop"])]
+
+
+def test_gpuhookd_edits_the_spec_for_the_runtime_front_end(make_container: MakeContainer, host: FakeHost,
+                                                          relay: Path, tmp_path: Path) -> None:
+    """With gpuhookd serving the config (found as the engine's environment says), the front-end's GPU create
+    gets its spec edited by the daemon through gpuhook-relay, no interpreter started, then runc runs the
+    container with its GPUs and the relay as its hooks."""
+    daemon = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=host.config_path)
+    log = host.root / "gpuhook.log"
+    offset = log.stat().st_size if log.exists() else 0
+    try:
+        container = make_container(PROBE + "; dltest libcuda.so.1", {"NVIDIA_VISIBLE_DEVICES": "1,3"}, hooks=[])
+        run = subprocess.run([str(runtime_for(relay)), "run", "--bundle", str(container.bundle), unique_id("served")],
+                             capture_output=True, text=True, timeout=60, check=False,
+                             env={"PATH": "/usr/bin:/bin", "GPUHOOK_CONFIG": str(host.config_path),
+                                  "GPUHOOK_DAEMON_SOCKET": daemon.socket})
+    finally:
+        journal = daemon.stop()
+    assert run.returncode == 0, run.stderr + journal
+    assert EXPECTED | {"dlopen libcuda.so.1: OK"} <= {line.strip() for line in run.stdout.splitlines()}
+    hooks = json.loads((container.bundle / "config.json").read_text())["hooks"]
+    assert [h["path"] for stage in ("prestart", "poststop") for h in hooks[stage]] == [str(relay)] * 2
+    with log.open("rb") as handle:
+        handle.seek(offset)
+        events = [json.loads(line) for line in handle.read().splitlines()]
+    edits = [e for e in events if e.get("event") == "runtime_spec_edited"]
+    assert [e.get("served_by") for e in edits] == ["gpuhookd"], events
+    assert [e["served_by"] for e in events if e.get("event") == "applied"] == ["gpuhookd"]  # its hook too
