@@ -122,3 +122,33 @@ def test_gpuhookd_edits_the_spec_for_the_runtime_front_end(make_container: MakeC
     edits = [e for e in events if e.get("event") == "runtime_spec_edited"]
     assert [e.get("served_by") for e in edits] == ["gpuhookd"], events
     assert [e["served_by"] for e in events if e.get("event") == "applied"] == ["gpuhookd"]  # its hook too
+
+
+@pytest.mark.parametrize("case", ["foreign-config", "relative-bundle"])
+def test_a_runtime_edit_gpuhookd_does_not_serve_is_the_python_wrappers(make_container: MakeContainer,
+                                                                      host: FakeHost, relay: Path, tmp_path: Path,
+                                                                      case: str) -> None:
+    """gpuhookd declines a config that is not its own, or a bundle given relative to the caller's cwd: the
+    Python wrapper edits the spec instead, and the container still gets its GPUs."""
+    daemon = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=host.config_path)
+    config = host.config_path
+    if case == "foreign-config":
+        config = tmp_path / "copy.yaml"
+        config.write_text(host.config_path.read_text())
+    log = host.root / "gpuhook.log"
+    offset = log.stat().st_size if log.exists() else 0
+    try:
+        container = make_container(PROBE + "; dltest libcuda.so.1", {"NVIDIA_VISIBLE_DEVICES": "1,3"}, hooks=[])
+        bundle = "." if case == "relative-bundle" else str(container.bundle)
+        run = subprocess.run([str(runtime_for(relay)), "run", "--bundle", bundle, unique_id("declined")],
+                             capture_output=True, text=True, timeout=60, check=False, cwd=container.bundle,
+                             env={"PATH": "/usr/bin:/bin", "GPUHOOK_CONFIG": str(config),
+                                  "GPUHOOK_DAEMON_SOCKET": daemon.socket})
+    finally:
+        journal = daemon.stop()
+    assert run.returncode == 0, run.stderr + journal
+    assert EXPECTED | {"dlopen libcuda.so.1: OK"} <= {line.strip() for line in run.stdout.splitlines()}
+    assert "declined: " in journal
+    with log.open("rb") as handle:
+        handle.seek(offset)
+        assert b"runtime_spec_edited" not in handle.read()
