@@ -22,10 +22,7 @@ from typing import Final
 
 from gpuhook.errors import GpuHookError, report_failure
 from gpuhook.hookcall import check_environment
-from gpuhook.request.runtimecall import (  # noqa: F401 - re-exported: the wrapper's names, as tests know them
-    ENGINE_ENV_FIX, HOOK_ENV, HOOK_STAGES, VALUE_OPTIONS, add_hook, add_hooks, bundle_arg, command_at,
-    daemon_socket, engine_environment, hook_entry,
-)
+from gpuhook.request.runtimecall import ENGINE_ENV_FIX, bundle_arg, command_at, daemon_socket, engine_environment
 
 #: Trusted locations only: the wrapper runs as root and must not pick a runtime from a daemon's PATH.
 RUNTIME_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -295,7 +295,7 @@ def test_an_unreadable_ledger_goes_to_the_full_path(tmp_path: Path) -> None:
 def test_the_tripwire_says_whose_environment_to_fix() -> None:
     """A hook's refusal names both fixes (its registration's env, dockerd's unit for docker --gpus);
     gpuhook-runtime's names its engine's service."""
-    from gpuhook.cli.runtime import ENGINE_ENV_FIX
+    from gpuhook.request.runtimecall import ENGINE_ENV_FIX
     from gpuhook.errors import UnsafeEnvironmentError
     from gpuhook.hookcall import check_environment
 

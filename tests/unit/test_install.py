@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from gpuhook.cli import runtime
+from gpuhook.request import runtimecall
 from gpuhook.cli.install import run_install
 from gpuhook.errors import ConfigError
 from gpuhook.install import HOOKS_D_FILES, changes, containerd_config, docker_daemon_json, registration
@@ -142,9 +143,9 @@ def test_runtime_wrapper_adds_prestart_and_poststop_once() -> None:
     the spec's own hooks kept behind them; a second pass adds nothing."""
     other = {"path": "/usr/bin/true", "args": ["true"]}
     spec: dict[str, object] = {"hooks": {"poststop": [other], "poststart": [other]}}
-    runtime.add_hooks(spec, "/etc/gpuhook/other.yaml")
+    runtimecall.add_hooks(spec, "/etc/gpuhook/other.yaml")
     once = json.loads(json.dumps(spec))
-    runtime.add_hooks(spec, "/etc/gpuhook/other.yaml")
+    runtimecall.add_hooks(spec, "/etc/gpuhook/other.yaml")
     assert spec == once
     hooks = once["hooks"]
     assert hooks["poststart"] == [other]
@@ -153,16 +154,16 @@ def test_runtime_wrapper_adds_prestart_and_poststop_once() -> None:
     assert prestart["args"] == [sys.executable, "-I", "-m", "gpuhook", "--config", "/etc/gpuhook/other.yaml",
                                 "prestart"]
     assert poststop == {**prestart, "args": [*prestart["args"][:-1], "poststop"]}
-    assert poststop["path"] == sys.executable and poststop["env"] == runtime.HOOK_ENV
+    assert poststop["path"] == sys.executable and poststop["env"] == runtimecall.HOOK_ENV
 
 
 def test_runtime_wrapper_registers_the_relay_where_it_is_installed() -> None:
     """With gpuhook-relay beside the wrapper (the packages' layout), the hooks are the relay's: gpuhookd serves
     the start, and a poststop without a lease costs no interpreter."""
     spec: dict[str, object] = {}
-    runtime.add_hooks(spec, None, Path("/usr/lib/gpuhook/bin/gpuhook-relay"))
+    runtimecall.add_hooks(spec, None, Path("/usr/lib/gpuhook/bin/gpuhook-relay"))
     relay = "/usr/lib/gpuhook/bin/gpuhook-relay"
-    assert spec["hooks"] == {stage: [{"path": relay, "args": [relay, stage], "env": runtime.HOOK_ENV}]
+    assert spec["hooks"] == {stage: [{"path": relay, "args": [relay, stage], "env": runtimecall.HOOK_ENV}]
                              for stage in ("prestart", "poststop")}
 
 
@@ -399,3 +400,14 @@ def test_kubernetes_has_nvidias_runtime_class_beside_gpuhooks() -> None:
     dropin = next(c for c in changes("containerd", bin_dir=BIN, current={}, name="nvidia") if c.content)
     assert "nvidia" in tomllib.loads(dropin.content or "")["plugins"]["io.containerd.grpc.v1.cri"]["containerd"][
         "runtimes"]
+
+
+def test_runtime_hooks_name_a_non_default_daemon_socket() -> None:
+    """$GPUHOOK_DAEMON_SOCKET in the engine's environment: the hooks the wrapper registers are given it."""
+    spec: dict[str, object] = {}
+    relay = Path("/usr/lib/gpuhook/bin/gpuhook-relay")
+    socket = runtimecall.daemon_socket({"GPUHOOK_DAEMON_SOCKET": "/run/other/gpuhookd.sock"})
+    runtimecall.add_hooks(spec, None, relay, socket)
+    assert [h["args"] for stage in ("prestart", "poststop") for h in spec["hooks"][stage]] == [  # type: ignore[index]
+        [str(relay), "--daemon-socket", "/run/other/gpuhookd.sock", stage] for stage in ("prestart", "poststop")]
+    assert runtimecall.daemon_socket({"GPUHOOK_DAEMON_SOCKET": "relative.sock"}) is None
