@@ -478,27 +478,35 @@ static const char *number(const char *p, char end, unsigned long *value)
     return p > start && *p == end ? p + 1 : NULL;
 }
 
-/* `gpuhookd/1 VERDICT STATUS N\n` and N bytes: exit as `done` says, or return on `declined`. */
-static void receive_reply(const char *path)
+/* The whole reply, up to the daemon's close, into out[] (NUL-terminated): its length, or 0 and *why. */
+static size_t read_reply(const char **why)
 {
     long long deadline = now_ms() + REPLY_TIMEOUT_S * 1000LL;
     size_t len = 0;
     for (;;) {
         if (len > REPLY_LIMIT)
-            no_answer(path, "reply too long");
+            return *why = "reply too long", 0;
         if (!readable(sock, deadline))
-            no_answer(path, "timed out");
+            return *why = "timed out", 0;
         ssize_t n = recv(sock, out + len, REPLY_LIMIT + 1 - len, MSG_DONTWAIT);  /* poll said: never blocks */
         if (n == 0)
             break;
         if (n > 0)
             len += (size_t)n;
         else if (errno != EINTR && errno != EAGAIN)
-            no_answer(path, strerror(errno));
+            return *why = strerror(errno), 0;
     }
-    if (len == 0)
-        no_answer(path, "connection closed");
     out[len] = '\0';  /* len <= REPLY_LIMIT: the header parses as a string (the message may hold NULs) */
+    return len ? len : (*why = "connection closed", 0);
+}
+
+/* `gpuhookd/1 VERDICT STATUS N\n` and N bytes: exit as `done` says, or return on `declined`. */
+static void receive_reply(const char *path)
+{
+    const char *why = "";
+    size_t len = read_reply(&why);
+    if (len == 0)
+        no_answer(path, why);
     const char *p = out;
     unsigned long status, size;
     int negative = 0, declined = 0;
@@ -521,23 +529,11 @@ static void receive_reply(const char *path)
 /* 1: the reply is `gpuhookd/1 done 0 N\n` and its N bytes (the edit is made); 0: anything else. */
 static int edited(void)
 {
-    long long deadline = now_ms() + REPLY_TIMEOUT_S * 1000LL;
-    size_t len = 0;
-    for (;;) {
-        if (len > REPLY_LIMIT || !readable(sock, deadline))
-            return 0;
-        ssize_t n = recv(sock, out + len, REPLY_LIMIT + 1 - len, MSG_DONTWAIT);  /* poll said: never blocks */
-        if (n == 0)
-            break;
-        if (n > 0)
-            len += (size_t)n;
-        else if (errno != EINTR && errno != EAGAIN)
-            return 0;
-    }
-    out[len] = '\0';
+    const char *why;
+    size_t len = read_reply(&why);
     const char *p = out;
     unsigned long status, size;
-    if (strncmp(p, "gpuhookd/1 done ", 16) != 0)
+    if (len == 0 || strncmp(p, "gpuhookd/1 done ", 16) != 0)
         return 0;
     p += 16;
     return (p = number(p, ' ', &status)) && (p = number(p, '\n', &size)) && status == 0 &&
