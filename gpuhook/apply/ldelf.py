@@ -160,12 +160,6 @@ class _File:
             whole += 1
         return list(layout.iter_unpack(data[:whole * layout.size]))
 
-    def unpack(self, layout: struct.Struct, offset: int) -> tuple[int, ...]:
-        data = self.read(offset, layout.size)
-        if len(data) < layout.size:  # the struct starts inside the file and runs past its end: zeros
-            data = data.ljust(layout.size, b"\0")  # (what ldconfig's mapping shows there)
-        return layout.unpack(data)
-
     def string(self, offset: int) -> bytes:
         """The NUL-terminated string at *offset* (the file's end ends it, as the mapping's zeros do)."""
         out = b""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import time
 import zlib
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from gpuhook.apply.ldelf import sample_library
 from gpuhook.apply.ldwrite import LdconfigProfile, write_ldcache
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.errors import ApplyError
-from gpuhook.sys.files import replace_at
+from gpuhook.sys.files import is_trusted, open_trusted_dir, replace_at
 from gpuhook.ldcache import generator_of
 
 _FORMAT: Final = 1
@@ -39,6 +38,7 @@ _ENV: Final = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 _PROBE_TIMEOUT_S: Final = 10.0
 _CANNOT_STAT: Final = b"Can't stat "
 _CMDLINE_DIR: Final = "/opt/cmd/lib"
+_WHAT: Final = "the answer about the host's ldconfig"
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,15 +217,13 @@ def _stored(path: Path, identity: tuple[int, ...]) -> ProfileAnswer | None:
 
 
 def _read_trusted(path: Path) -> bytes | None:
-    """*path*'s bytes if it and its directory are ours and writable by nobody else (the answer
-    decides what runs as root), a regular file, not a symlink; else None."""
+    """*path*'s bytes if it and its directory are root's (or ours) and writable by nobody else (the
+    answer decides what runs as root), a regular file, not a symlink; else None."""
     try:
-        dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        dir_fd = open_trusted_dir(path.parent, _WHAT)
     except OSError:
         return None
     try:
-        if not _ours(os.fstat(dir_fd)):
-            return None
         fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return None
@@ -233,17 +231,13 @@ def _read_trusted(path: Path) -> bytes | None:
         os.close(dir_fd)
     try:
         st = os.fstat(fd)
-        if not (stat.S_ISREG(st.st_mode) and _ours(st)) or st.st_size > _MAX_STORED:
+        if not is_trusted(st, directory=False) or st.st_size > _MAX_STORED:
             return None
         return os.read(fd, _MAX_STORED)
     except OSError:
         return None
     finally:
         os.close(fd)
-
-
-def _ours(st: os.stat_result) -> bool:
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def _store(path: Path, identity: tuple[int, ...], answer: ProfileAnswer) -> None:
@@ -253,12 +247,11 @@ def _store(path: Path, identity: tuple[int, ...], answer: ProfileAnswer) -> None
               "system_dirs": [os.fsdecode(d) for d in profile.system_dirs] if profile else [],
               "generator": os.fsdecode(profile.generator) if profile else ""}
     try:
-        dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        dir_fd = open_trusted_dir(path.parent, _WHAT)
     except OSError:
-        return  # no cache directory (the inventory cache makes it): asked again next time
+        return  # no cache directory yet (the inventory cache makes it), or not ours: asked again next time
     try:
-        if _ours(os.fstat(dir_fd)):
-            replace_at(dir_fd, path.name, json.dumps(record).encode(), mode=0o644)
+        replace_at(dir_fd, path.name, json.dumps(record).encode(), mode=0o644)
     except OSError:
         pass  # a read-only cache directory: asked again next time
     finally:

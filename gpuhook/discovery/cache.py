@@ -74,7 +74,7 @@ from gpuhook.discovery.live import read_live
 from gpuhook.inventory import Inventory, LiveFacts, LiveNeeds, narrow_to_live, unseen_instances
 from gpuhook.sharing.ledger import MigRecord
 from gpuhook.sharing.mig import with_recorded
-from gpuhook.sys.files import replace_at
+from gpuhook.sys.files import is_trusted, open_trusted_dir, replace_at
 
 #: Bumped when the document or Inventory.to_dict changes meaning; an older file is then a miss.
 #: 2: caps_nodes left the inventory (read live), mig_layout joined it.
@@ -169,6 +169,8 @@ def encode_cache(key: str, inventory: Inventory) -> bytes:
     return json.dumps(document, separators=(",", ":")).encode()
 
 
+#: what the cache directory is for, in the refusal of one that others can write
+_WHAT: Final = "the inventory cache"
 #: The last file decoded, by path: its bytes, its key and the inventory. A gpuhookd worker decodes
 #: the cache while idle (``warm``), so that its request only reads the file and compares bytes.
 _DECODED: dict[Path, tuple[bytes, str, Inventory]] = {}
@@ -225,7 +227,7 @@ def read_identity(config: Config) -> DriverIdentity:
 def load_cache(path: Path) -> bytes | Outcome:
     """The cache file's bytes, or why there are none to use."""
     try:
-        dir_fd = _open_trusted_dir(path.parent)
+        dir_fd = open_trusted_dir(path.parent, _WHAT)
     except (FileNotFoundError, NotADirectoryError):
         return Outcome.ABSENT
     except OSError:
@@ -250,7 +252,7 @@ def _read_trusted(fd: int) -> bytes | Outcome:
     try:
         # fstat before reading: fdopen refuses a directory with IsADirectoryError, and a directory,
         # FIFO or device in the file's place is a miss like any other unusable file.
-        if not _is_trusted(os.fstat(fd), directory=False):
+        if not is_trusted(os.fstat(fd), directory=False):
             return Outcome.UNTRUSTED
         with os.fdopen(fd, "rb", closefd=False) as handle:
             data = handle.read(CACHE_LIMIT + 1)
@@ -262,7 +264,7 @@ def _read_trusted(fd: int) -> bytes | Outcome:
 def store_cache(path: Path, data: bytes) -> None:
     """Atomically replace the cache file with *data*; raises OSError."""
     _make_dir(path.parent)
-    dir_fd = _open_trusted_dir(path.parent)
+    dir_fd = open_trusted_dir(path.parent, _WHAT)
     # Relative to dir_fd, so the directory checked above is the one written. No fsync: the
     # default cache_dir is tmpfs, and a torn file after a crash on disk fails to decode or to
     # match and is rebuilt, like any other miss.
@@ -436,18 +438,3 @@ def _make_dir(directory: Path) -> None:
     except FileExistsError:
         return
     os.chmod(directory, 0o755)  # exact, whatever the umask
-
-
-def _open_trusted_dir(directory: Path) -> int:
-    """An O_PATH fd of the cache directory; raises PermissionError unless only root (or we) can write it."""
-    fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    if not _is_trusted(os.fstat(fd), directory=True):
-        os.close(fd)
-        raise PermissionError(f"{directory} is writable by others than root; not used for the inventory cache")
-    return fd
-
-
-def _is_trusted(st: os.stat_result, *, directory: bool) -> bool:
-    """Owned by root or by us, the expected type, and writable by nobody else."""
-    kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
-    return kind_ok and st.st_uid in (0, os.geteuid()) and not st.st_mode & 0o022

@@ -12,7 +12,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from pathlib import Path
+
+
+def is_trusted(st: os.stat_result, *, directory: bool) -> bool:
+    """Owned by root or by us, the expected type, and writable by nobody else: a file whose contents
+    decide what runs as root (a cache of host paths, an answer about the host's ldconfig)."""
+    kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    return kind_ok and st.st_uid in (0, os.geteuid()) and not st.st_mode & 0o022
+
+
+def open_trusted_dir(directory: Path, what: str) -> int:
+    """An O_PATH fd of *directory*; raises PermissionError unless only root (or we) can write it."""
+    fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    if not is_trusted(os.fstat(fd), directory=True):
+        os.close(fd)
+        raise PermissionError(f"{directory} is writable by others than root; not used for {what}")
+    return fd
 
 
 def replace_at(dir_fd: int, name: str, data: bytes, *, mode: int) -> None:
