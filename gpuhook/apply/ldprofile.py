@@ -39,6 +39,8 @@ _PROBE_TIMEOUT_S: Final = 10.0
 _CANNOT_STAT: Final = b"Can't stat "
 _CMDLINE_DIR: Final = "/opt/cmd/lib"
 _WHAT: Final = "the answer about the host's ldconfig"
+#: the temporary trees of one ask: <tmp>/gpuhook-ldconfig-<pid>-XXXX
+_WORK_PREFIX: Final = "gpuhook-ldconfig-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +89,8 @@ def ask(ldconfig: Path) -> ProfileAnswer:
         os.close(open_ldconfig(ldconfig))  # the binary the sandbox would accept: static, readable
     except ApplyError as err:
         return ProfileAnswer(None, str(err))
-    work = Path(tempfile.mkdtemp(prefix="gpuhook-ldconfig-"))
+    _sweep(Path(tempfile.gettempdir()))
+    work = Path(tempfile.mkdtemp(prefix=f"{_WORK_PREFIX}{os.getpid()}-"))
     try:
         empty = work / "empty"
         (empty / "etc").mkdir(parents=True)
@@ -118,6 +121,16 @@ def ask(ldconfig: Path) -> ProfileAnswer:
         return ProfileAnswer(None, f"could not ask {ldconfig}: {err}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _sweep(temp: Path) -> None:
+    """Remove the trees of asks whose process is gone (killed mid-ask: a crash leaves nothing for long)."""
+    import shutil
+
+    for left in temp.glob(f"{_WORK_PREFIX}*-*"):
+        pid = left.name[len(_WORK_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(left, ignore_errors=True)
 
 
 def _run(ldconfig: Path, root: Path, *args: str) -> bytes:

@@ -85,3 +85,23 @@ def test_without_a_place_to_keep_the_answer_only_gpuhookd_asks() -> None:
     assert "not asked" in profile_for(LDCONFIG, None).why_not
     assert profile_for(LDCONFIG, None, keeps=True).profile is not None
     assert profile_for(LDCONFIG, None).profile is not None  # this process keeps it now
+
+
+def test_an_ask_killed_midway_leaves_nothing_for_long(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sample trees of an ask whose process died (SIGKILL while it ran) go at the next ask."""
+    import signal
+    import subprocess
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["sleep", "60"])
+    left = tmp_path / f"gpuhook-ldconfig-{dead.pid}-abcd"
+    (left / "theirs/etc").mkdir(parents=True)
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    alive = tmp_path / f"gpuhook-ldconfig-{os.getpid()}-mine"
+    alive.mkdir()
+    assert ask(LDCONFIG).profile is not None
+    assert not left.exists()
+    assert alive.exists()  # ours (this process): not swept
+    assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name]  # and the ask's own trees are gone
