@@ -376,13 +376,16 @@ def _apply_in_container(
                     skipped.append(f"{plan.proc_driver.target}: {_NO_PROC_DRIVER}")
         done("proc")
         dirs = _compat_first(fs, plan, notes)
-        writer = _cache_writer(fs, dirs, native, timeout, notes) if dirs and native is not None else None
+        # At most half the budget, so that a start stuck here (an image too large, or changed from outside
+        # while it is read) fails inside this child, and rollback still runs.
+        budget = min(timeout / 2, LDCONFIG_DEADLINE_S)
+        writer = _cache_writer(fs, dirs, native, budget, notes) if dirs and native is not None else None
         if writer is not None:
-            _replace_ldcache(fs, plan, lambda _: writer.write(), timeout, native=True)
+            _replace_ldcache(fs, plan, writer.write, native=True)
         elif dirs and ldconfig_fd is not None:
-            _replace_ldcache(fs, plan, lambda budget: run_ldconfig(
+            _replace_ldcache(fs, plan, lambda: run_ldconfig(
                 ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared, timeout=budget, ahead=ldconfig_ahead,
-                abort_fd=abort_fd), timeout, native=False)
+                abort_fd=abort_fd), native=False)
         done("ldconfig")
     except BaseException as err:
         leftovers = fs.rollback()
@@ -392,22 +395,21 @@ def _apply_in_container(
     return fs, skipped
 
 
-def _cache_writer(fs: RootFs, dirs: tuple[str, ...], native: LdconfigProfile, timeout: float,
+def _cache_writer(fs: RootFs, dirs: tuple[str, ...], native: LdconfigProfile, budget: float,
                   notes: list[str]) -> CacheWriter | None:
     """gpuhook's writer of the container's cache, its directories found (nothing changed yet); None (and
     a note) where the image has so many libraries that the sandboxed ldconfig is the quicker writer."""
     with _step("ldconfig", LD_SO_CACHE):
-        writer = CacheWriter(fs, dirs, native, hidden_devices(fs),
-                             deadline=time.monotonic() + min(timeout / 2, LDCONFIG_DEADLINE_S))
+        writer = CacheWriter(fs, dirs, native, hidden_devices(fs), deadline=time.monotonic() + budget)
         if writer.library_names() <= MOST_LIBRARIES:
             return writer
     notes.append(f"{LD_SO_CACHE}: over {MOST_LIBRARIES} libraries to scan: the sandboxed ldconfig wrote it")
     return None
 
 
-def _replace_ldcache(fs: RootFs, plan: Plan, write: Callable[[float], object], timeout: float, *, native: bool) -> None:
+def _replace_ldcache(fs: RootFs, plan: Plan, write: Callable[[], object], *, native: bool) -> None:
     """The container's ld.so.cache replaced by *write* (gpuhook's own, *native*, or the sandboxed
-    ldconfig), given its budget: an undo puts the image's cache and links back."""
+    ldconfig): an undo puts the image's cache and links back."""
     with _step("save", LD_SO_CACHE):
         # The cache is replaced through a temporary beside it: an undo puts the image's back.
         fs.save_aside(LD_SO_CACHE)
@@ -415,10 +417,8 @@ def _replace_ldcache(fs: RootFs, plan: Plan, write: Callable[[float], object], t
         if not native:  # ldwrite journals each link it changes; ldconfig's are found afterwards
             for directory, prefixes in _library_dirs(plan).items():
                 fs.watch_links(directory, prefixes)
-    # At most half the budget, so that a start stuck here (an image too large, or changed from outside
-    # while it is read) fails inside this child, and rollback still runs.
     with _step("ldconfig", LD_SO_CACHE):
-        write(min(timeout / 2, LDCONFIG_DEADLINE_S))
+        write()
 
 
 _LIBRARY = re.compile(r"(lib[^/]*\.so\.)[0-9][0-9.]*")
