@@ -72,7 +72,7 @@ __all__ = [
     "ChildAhead", "ChildForkedAhead", "Container", "Placement", "check_ldconfig", "discover_uncached",
     "enter_hook_view", "fork_apply_ahead", "host_inventory", "load_settings", "prepare_daemon", "prepare_worker",
     "render_cdi", "render_plan", "render_spec_edit",
-    "request_for", "start", "start_configure", "start_hook", "stop", "update_ldcache_in",
+    "request_for", "start", "start_configure", "start_hook", "stop", "update_ldcache_in", "writes_ldcache_itself",
 ]
 
 
@@ -553,6 +553,11 @@ def _host_ldconfig(config: Config, *, keeps: bool = False) -> HostLdconfig:
     return HostLdconfig(config.ldconfig, answer.profile)
 
 
+def writes_ldcache_itself(config: Config) -> bool:
+    """Whether gpuhook writes the containers' ld.so.cache itself under *config* (else ldconfig runs, sandboxed)."""
+    return _host_ldconfig(config, keeps=True).profile is not None
+
+
 # --- gpuhookd's preparations ------------------------------------------------------------------------
 
 
@@ -570,23 +575,26 @@ def prepare_daemon(env: Mapping[str, str]) -> str:
     return ""
 
 
-def prepare_worker(config_path: str, *, required: bool) -> None:
+def prepare_worker(config_path: str, *, required: bool) -> bool:
     """What an idle gpuhookd worker does before its request, so that the request need not: the inventory
     cache decoded and, where gpuhook writes the cache itself, the driver's libraries read (a container
-    gets the host's very files). Reads only; never asks NVML; any failure is left to the request."""
+    gets the host's very files). Reads only; never asks NVML; any failure is left to the request.
+    Returns whether gpuhook writes the containers' caches itself (so that no ldconfig child need wait)."""
     from gpuhook.apply import ldelf
     from gpuhook.discovery import warm
 
     try:
         config = load_config(Path(config_path), required=required)
+        native = writes_ldcache_itself(config)
         inventory = warm(config)
         if inventory is None:
-            return
-        if _host_ldconfig(config, keeps=True).profile is not None:
+            return native
+        if native:
             ldelf.remember(f.host_path for f in (*inventory.libraries, *inventory.libraries32))
         _warm_plan(config, inventory)
     except Exception:  # noqa: BLE001 - an optimisation: whatever fails here, the request does itself
-        return
+        return False
+    return native
 
 
 def _warm_plan(config: Config, inventory: Inventory) -> None:
@@ -605,11 +613,12 @@ def _warm_plan(config: Config, inventory: Inventory) -> None:
               narrow_to_live(inventory, live), live, target)
 
 
-def fork_apply_ahead(*, priority: int, close: Sequence[int] = ()) -> ChildAhead:
-    """An apply child forked before its request arrives (an idle gpuhookd worker's)."""
+def fork_apply_ahead(*, priority: int, close: Sequence[int] = (), ldconfig_ahead: bool = True) -> ChildAhead:
+    """An apply child forked before its request arrives (an idle gpuhookd worker's), with its ldconfig
+    child unless *ldconfig_ahead* is false (``prepare_worker`` found that gpuhook writes the cache itself)."""
     from gpuhook.apply import fork_apply_child
 
-    return fork_apply_child(priority=priority, close=close)
+    return fork_apply_child(priority=priority, close=close, ldconfig_ahead=ldconfig_ahead)
 
 
 def enter_hook_view(fds: Sequence[int]) -> str:

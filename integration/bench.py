@@ -4,8 +4,9 @@
 
 Every scenario runs a busybox ``/bin/true`` container with ``runc run`` from a fresh copy of the
 rootfs (copied outside the timed region, as an engine's overlay gives each container a fresh
-upper layer). Scenarios are interleaved round-robin, after one untimed warm-up round that also
-builds each host's inventory cache, so drift on a noisy VM hits all of them alike. Wall time is
+upper layer), on a journaled ext4 of its own (``integration.scratchfs`` says why). Scenarios are
+interleaved round-robin, after one untimed warm-up round that also builds each host's inventory
+cache, so drift on a noisy VM hits all of them alike. Wall time is
 ``integration.engines.run_container``'s ``duration_s``: the whole ``runc run`` plus the rig's
 sub-millisecond leftover check.
 
@@ -61,12 +62,14 @@ from integration.fakehost import FakeHost, create_host
 from integration.gpuhookd import Gpuhookd
 from integration.relay import install_relay, relay_for, runtime_for
 from integration.rootfs import build_rootfs, copy_rootfs
+from integration.scratchfs import scratch_filesystem
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / ".cache" / "bench" / "results.json"
 LAUNCHER = REPO / "packaging" / "gpuhook-hook"
 WORK = REPO / ".cache" / "bench" / "work"
 STATE_TMPFS = Path("/dev/shm/gpuhook-bench")
+SCRATCH_IMAGE = Path("/dev/shm/gpuhook-bench-rootfs.img")
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
 COMPUTE = "compute,utility"
 INSTRUMENTED_RUNS = 5
@@ -359,12 +362,12 @@ def _logged_timings(log: Path | None, offset: int) -> dict[str, float]:
     return out
 
 
-def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work: Path, runs: int,
-            ) -> dict[str, Samples]:
-    """Warm-up round, *runs* interleaved timed rounds, then the instrumented hook runs."""
+def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work: Path, runs: int, *,
+            bundle: Path) -> dict[str, Samples]:
+    """Warm-up round, *runs* interleaved timed rounds, then the instrumented hook runs; each run's
+    container in *bundle* (on the scratch filesystem)."""
     samples = {s.name: Samples() for s in scenarios}
     specs = {s.name: make_spec(s) for s in scenarios}
-    bundle = work / "bundle"
     for round_no in range(runs + 1):
         # Round-robin, starting one scenario later each round, so none always follows the same one.
         for k in range(len(scenarios)):
@@ -568,7 +571,8 @@ def print_report(report: dict[str, Any]) -> None:
     """The report as people read it: the machine, the tables, the docker rows, the import profile."""
     m, docker, imports = report["machine"], report["docker_no_gpu"], report["importtime_no_gpu"]
     print(f"\n{report['date']}, {m['cpus']} CPUs ({m['cpu']}), Linux {m['kernel']}, {m['runc']}, "
-          f"Python {m['python']}; {report['runs']} runs each\n")
+          f"Python {m['python']}; {report['runs']} runs each; container rootfs copies on "
+          f"{report['rootfs_filesystem']}\n")
     print(markdown(report))
     print(f"docker run --rm of a no-GPU container, medians of {docker['runs']}: --runtime runc "
           f"{docker['median_ms']['runc']} ms, --runtime nvidia (gpuhook-runtime) {docker['median_ms']['nvidia']} ms "
@@ -612,7 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         scraper = threading.Thread(target=scrape_every_second, args=(stop_scraping,), daemon=True)
         scraper.start()
         try:
-            samples = measure(scenarios, python, rootfs_src, WORK, args.runs)
+            with scratch_filesystem(WORK / "scratch", SCRATCH_IMAGE) as bundle_fs:
+                print(f"container rootfs copies on {bundle_fs}", file=sys.stderr)
+                samples = measure(scenarios, python, rootfs_src, WORK, args.runs, bundle=WORK / "scratch" / "bundle")
         finally:
             stop_scraping.set()
     finally:
@@ -627,6 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": f"python -m integration.bench --runs {args.runs}",
         "machine": machine(),
+        "rootfs_filesystem": bundle_fs,
         "runs": args.runs,
         "scenarios": results,
         "docker_no_gpu": docker,

@@ -11,10 +11,9 @@ from pathlib import Path
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 SETTLE_TIMEOUT_S = 60.0
-#: The daemon keeps this many workers waiting (gpuhook.daemon.pool.SPARE_WORKERS) ...
+#: The daemon keeps this many workers waiting (gpuhook.daemon.pool.SPARE_WORKERS), each with its apply
+#: child forked ahead (and that child's ldconfig child, where ldconfig writes the containers' caches).
 SPARE_WORKERS = 2
-#: ... each with its apply child forked ahead, and that child's ldconfig child.
-PREPARED_CHILDREN = 2
 
 
 class DaemonError(RuntimeError):
@@ -76,13 +75,22 @@ class Gpuhookd:
         """Wait until the pool is at rest (its spare workers, each with its children forked ahead), so that
         counting processes compares like with like; that family."""
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
-        while len(family := self.family()) != SPARE_WORKERS or any(
-                len(kids) != PREPARED_CHILDREN for kids in family.values()):
+        children = self.children_ahead()
+        while len(family := self.family()) != SPARE_WORKERS or any(len(kids) != children for kids in family.values()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise DaemonError(f"gpuhookd's pool did not settle within {SETTLE_TIMEOUT_S:g} s "
                                   f"(workers and their children: {family}): {self.journal.read_text()}")
             time.sleep(0.05)
         return family
+
+    def children_ahead(self) -> int:
+        """How many children an idle worker forks ahead: its apply child, and that child's ldconfig child
+        unless gpuhook writes the containers' caches itself (as the daemon finds, from its config)."""
+        from gpuhook import service
+        from gpuhook.config import load_config, resolve_config_path
+
+        path, required = resolve_config_path(str(self.config) if self.config else None, {})
+        return 1 if service.writes_ldcache_itself(load_config(path, required=required)) else 2
 
     def stop(self) -> str:
         """SIGTERM it and wait until its idle workers are gone too; its journal."""

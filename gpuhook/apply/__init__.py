@@ -128,13 +128,16 @@ class ChildForkedAhead:
     root_fd: int
 
 
-def fork_apply_child(*, priority: int, close: Sequence[int] = ()) -> ChildAhead:
+def fork_apply_child(*, priority: int, close: Sequence[int] = (), ldconfig_ahead: bool = True) -> ChildAhead:
     """An apply child forked now, to get its plan later (an idle gpuhookd worker does this); it
-    closes *close*, fds of the worker it must not hold, and waits at nice value *priority*."""
+    closes *close*, fds of the worker it must not hold, and waits at nice value *priority*.
+    *ldconfig_ahead*: it forks its own ldconfig child ahead too (where gpuhook writes the cache
+    itself, ldconfig runs only for a rare image with hundreds of libraries: forked then)."""
     from gpuhook.apply.ahead import ChildAhead  # gpuhookd only: a hook forks at once
     from gpuhook.apply.ldconfig import fork_ldconfig_ahead
 
-    return ChildAhead(_child_from_payload, priority=priority, close=close, prepare=fork_ldconfig_ahead)
+    return ChildAhead(_child_from_payload, priority=priority, close=close,
+                      prepare=fork_ldconfig_ahead if ldconfig_ahead else None)
 
 
 @contextmanager
@@ -300,9 +303,9 @@ def _child_main(
         status = 2
     with contextlib.suppress(OSError):  # EPIPE: the parent has gone, and the changes go below
         os.write(out_fd, json.dumps(report).encode())
-    if ldconfig_ahead is not None:
-        ldconfig_ahead.cancel()  # not needed after all (a no-op once started)
     os.close(out_fd)  # our report's end: the parent goes on
+    if ldconfig_ahead is not None:
+        ldconfig_ahead.cancel()  # not needed after all (a no-op once started); reaped off the start's path
     if fs is not None and not _hold(fs, channel, deadline):
         status = 3
     channel.close()
@@ -318,9 +321,11 @@ def _hold(fs: RootFs, channel: _socket.socket, deadline: float) -> bool:
     except OSError:  # TimeoutError included
         committed = False
     if committed:
-        fs.commit()
+        # Kept from here on (nothing below undoes a change): the parent hears it first, and goes on while
+        # the files set aside are dropped.
         with contextlib.suppress(OSError):
             channel.send(_KEPT)
+        fs.commit()
         return True
     if leftovers := fs.rollback():
         # Nobody is left to report to but our stderr (the runtime's log, or gpuhookd's journal).

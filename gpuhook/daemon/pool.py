@@ -159,8 +159,9 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int,
             wake for a request."""
             if not ahead:
                 # Before the fork: the apply child inherits what was read (the driver's libraries).
-                service.prepare_worker(config.path, required=config.required)
-                ahead.append(service.fork_apply_ahead(close=(listener.fileno(), theirs.fileno()), priority=priority))
+                native = service.prepare_worker(config.path, required=config.required)
+                ahead.append(service.fork_apply_ahead(close=(listener.fileno(), theirs.fileno()), priority=priority,
+                                                      ldconfig_ahead=not native))
             os.setpriority(os.PRIO_PROCESS, 0, priority)
 
         conn, request = _answer_until_gpu_request(listener, theirs, daemon, request_timeout, config, priority,

@@ -404,10 +404,9 @@ def _text(data: bytes | None) -> str | None:
 
 def _stamp(root: HostRoot, rel: str) -> Stamp | None:
     """The identity of *rel* inside *root* (symlinks followed inside it), None if absent."""
-    found = root.resolve(rel)
-    if found is None:
+    st = root.stat(rel)
+    if st is None:
         return None
-    st = found[1]
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 

@@ -25,33 +25,58 @@ class HostRoot:
 
     def resolve(self, rel: str) -> tuple[Path, os.stat_result] | None:
         """The host path and stat of *rel* inside the root, symlinks followed inside it; None if absent."""
-        flags = os.O_PATH
-        resolve = pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS
-        try:
-            root_fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        fd = self._open(rel)
+        if fd is None:
             return None
-        try:
-            fd = pathrs.openat2(root_fd, rel.lstrip("/") or ".", flags, resolve)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        finally:
-            os.close(root_fd)
         try:
             return Path(pathrs.fd_path(fd)), os.fstat(fd)
         finally:
             os.close(fd)
 
+    def stat(self, rel: str) -> os.stat_result | None:
+        """The stat of *rel* inside the root, symlinks followed inside it; None if absent."""
+        fd = self._open(rel)
+        if fd is None:
+            return None
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
+
     def read_bytes(self, rel: str) -> bytes | None:
         """The contents of the regular file *rel* inside the root, or None if absent."""
-        found = self.resolve(rel)
-        if found is None or not stat.S_ISREG(found[1].st_mode):
+        fd = self._open(rel)
+        if fd is None:
             return None
-        return found[0].read_bytes()
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            # Reopened through the fd: the very file resolved, for reading (an O_PATH fd cannot read).
+            with open(f"/proc/self/fd/{fd}", "rb") as handle:
+                return handle.read()
+        finally:
+            os.close(fd)
 
     def listdir(self, rel: str) -> tuple[str, ...]:
         """Sorted names in the directory *rel* inside the root (empty if absent)."""
-        found = self.resolve(rel)
-        if found is None or not stat.S_ISDIR(found[1].st_mode):
+        fd = self._open(rel)
+        if fd is None:
             return ()
-        return tuple(sorted(os.listdir(found[0])))
+        try:
+            return tuple(sorted(os.listdir(f"/proc/self/fd/{fd}"))) if stat.S_ISDIR(os.fstat(fd).st_mode) else ()
+        finally:
+            os.close(fd)
+
+    def _open(self, rel: str) -> int | None:
+        """An O_PATH fd for *rel* resolved inside the root, or None if absent."""
+        try:
+            root_fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            return pathrs.openat2(root_fd, rel.lstrip("/") or ".", os.O_PATH | os.O_CLOEXEC,
+                                  pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        finally:
+            os.close(root_fd)

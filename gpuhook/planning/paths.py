@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import PurePosixPath
 from typing import Final
 
 #: Debian-family multiarch directories, by `uname -m`.
@@ -32,8 +31,14 @@ def libs32_dir(*, debian_like: bool, machine: str) -> str:
 
 
 def container_path(*parts: str) -> str:
-    """Join *parts* into an absolute, normalised container path; refuses '..' and NUL."""
-    path = PurePosixPath("/", *parts)
-    if ".." in path.parts or any("\0" in p for p in path.parts):
+    """Join *parts* into an absolute, normalised container path (an absolute part starts it afresh,
+    empty and '.' names go); refuses '..' and NUL. String work only: a plan builds dozens of these."""
+    names: list[str] = []
+    for part in parts:
+        if part.startswith("/"):
+            names.clear()
+        names += [name for name in part.split("/") if name and name != "."]
+    path = "/" + "/".join(names)
+    if ".." in names or "\0" in path:
         raise ValueError(f"container path {path} must not contain '..' or NUL")
-    return str(path)
+    return path

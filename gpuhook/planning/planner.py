@@ -203,12 +203,12 @@ def make_plan(request: GpuRequest, inventory: Inventory, live: LiveFacts, target
                    if Capability.COMPAT32 in caps else ())
     mounts = (libraries + libraries32 + _binaries(inventory, caps, skipped) + _firmware(inventory, caps)
               + _ipc(inventory, caps) + _mps_pipe(live, caps) + _configs(inventory, caps))
-    mounted = {m.target for m in libraries}
+    mounted = {m.target.rpartition("/")[2] for m in libraries}
     symlinks = tuple(
         Symlink(path=container_path(target.libs_dir, link), target=dest.format(version=inventory.driver_version))
         for link, dest in _DEV_SYMLINKS
         # only when the library the link points at is injected
-        if any(t.startswith(container_path(target.libs_dir, dest.split(".so")[0]) + ".so.") for t in mounted)
+        if any(name.startswith(dest.split(".so")[0] + ".so.") for name in mounted)
     )
     return Plan(
         gpus=tuple(g.uuid for g in gpus) + tuple(m.uuid for m in device_plan.migs),

@@ -53,10 +53,11 @@ def log_size(host: FakeHost) -> int:
 
 def test_spare_workers_wait_for_requests(make_container: MakeContainer, host: FakeHost, daemon: Gpuhookd) -> None:
     """Two forked workers wait in accept(). A request that needs no GPU work (a ping) leaves them as
-    they are; a GPU request ends its worker, whose replacement forks its apply child (and that child
-    its ldconfig child) ahead, so no request waits for a fork. (A worker forked while a connection
-    is already queued serves at once, unprepared: a burst.)"""
+    they are; a GPU request ends its worker, whose replacement forks its apply child (and, where
+    ldconfig writes the caches, that child its ldconfig child) ahead, so no request waits for a fork.
+    (A worker forked while a connection is already queued serves at once, unprepared: a burst.)"""
     before = daemon.settled()  # a busy machine: forks at nice 19 wait for CPU
+    children = daemon.children_ahead()
     for _ in range(3):
         client.ping(daemon.socket)
     assert daemon.family() == before  # answered by a waiting worker, which still waits
@@ -64,11 +65,33 @@ def test_spare_workers_wait_for_requests(make_container: MakeContainer, host: Fa
     assert make_container("true", TWO_GPUS, hook=hook).run().returncode == 0
     deadline = time.monotonic() + 60
     while len(after := daemon.family()) != 2 or not after.keys() - before.keys() or any(
-            len(after[new]) != 2 for new in after.keys() - before.keys()):
+            len(after[new]) != children for new in after.keys() - before.keys()):
         assert time.monotonic() < deadline, (before, after)
         time.sleep(0.05)
     assert len(before.keys() - after.keys()) == 1  # the worker that served the GPUs exited
-    assert len(after.keys() - before.keys()) == 1  # its replacement waits, apply and ldconfig children ready
+    assert len(after.keys() - before.keys()) == 1  # its replacement waits, its children ready
+
+
+def test_the_ldconfig_child_waits_only_where_ldconfig_writes_the_caches(
+        make_container: MakeContainer, host: FakeHost, tmp_path: Path) -> None:
+    """Where gpuhook writes the containers' caches itself, an idle worker's apply child forks no
+    ldconfig child (it would only exit again); with ``ldconfig_native: false`` it does. Either way the
+    container's cache names the driver's libcuda and the journal shows no failure."""
+    sandboxed = tmp_path / "sandboxed.yaml"
+    sandboxed.write_text(host.config_path.read_text() + "\nldconfig_native: false\n")
+    for config, children in ((host.config_path, 1), (sandboxed, 2)):
+        running = Gpuhookd(sys.executable, tmp_path / f"gpuhookd-{children}", config=config)
+        try:
+            assert running.children_ahead() == children
+            family = running.settled()
+            assert sorted(len(kids) for kids in family.values()) == [children, children]
+            hook = hook_entry(config, "--daemon-socket", running.socket, "prestart")
+            container = make_container("grep -q libcuda.so.1 /etc/ld.so.cache && echo cached", TWO_GPUS, hook=hook)
+            result = container.run()
+            assert (result.returncode, result.stdout.strip()) == (0, "cached"), result.stderr
+        finally:
+            journal = running.stop()
+        assert "request failed" not in journal and "Traceback" not in journal, journal
 
 
 def _answers(path: str) -> bool:
