@@ -357,7 +357,7 @@ def _logged_timings(log: Path | None, offset: int) -> dict[str, float]:
             if event.get("served_by") == "gpuhookd":
                 out["worker_rss_mib"] = event["peak_rss_mib"]
         elif event.get("event") == "request_served":  # gpuhookd's side of the exchange, around the start
-            out["served_ms"] = event["ms"]
+            out["served_ms"], out["page_faults"] = event["ms"], event["page_faults"]
             out.update({f"served:{step}": ms for step, ms in event["steps_ms"].items() if step != "start"})
     return out
 
@@ -422,8 +422,9 @@ def summarise(scenarios: Sequence[Scenario], samples: dict[str, Samples]) -> dic
         steps = dict.fromkeys(k for t in got.log_ms for k in t if k.startswith(("step:", "served:")))
         profile = {k.removeprefix("step:").replace("served:", "gpuhookd: "):
                    round(statistics.median(t.get(k, 0.0) for t in got.log_ms), 2) for k in steps}
-        if any("served_ms" in t for t in got.log_ms):
-            logged["served_ms"] = round(statistics.median(t["served_ms"] for t in got.log_ms if "served_ms" in t), 1)
+        for key in ("served_ms", "page_faults"):
+            if any(key in t for t in got.log_ms):
+                logged[key] = round(statistics.median(t[key] for t in got.log_ms if key in t), 1)
         out[scenario.name] = {
             "title": scenario.title,
             "runs": len(got.wall_ms),
@@ -564,7 +565,8 @@ def profile_lines(results: dict[str, dict[str, Any]]) -> list[str]:
         for step in steps:
             cells[step].append(f"{profile.get(step, 0):g}")
     lines += [f"| {h} | " + " | ".join(cells[h]) + " |" for h in head]
-    return lines
+    faults = [f"{(r['hook_log_ms_median'] or {}).get('page_faults', '–')}" for r in (results[n] for n in rows)]
+    return [*lines, "| gpuhookd worker's page faults (count, not ms) | " + " | ".join(faults) + " |"]
 
 
 def print_report(report: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ import importlib
 import itertools
 import os
 import pkgutil
+import resource
 import signal
 import socket
 import stat
@@ -129,6 +130,8 @@ class HookWork:
     #: when its first byte was awaited and when it was decoded and checked (time.monotonic)
     received: float = 0.0
     triaged: float = 0.0
+    #: the worker's page faults by then (each a copy of a page the daemon shares: ``sys.prefault``)
+    faults: int = 0
 
 
 Reply = tuple[bytes, int, str]
@@ -141,7 +144,7 @@ def handle(conn: socket.socket, *, request_timeout: float, config: OwnConfig) ->
     the worker, so after an answer it can take the next connection.
     """
     signal.alarm(max(1, int(request_timeout)))
-    received = time.monotonic()
+    received, faults = time.monotonic(), _page_faults()
     # The whole request is read before any reply, even one refusing it: closing a unix socket with
     # unread data resets the connection, and the peer would lose the reply.
     try:
@@ -160,7 +163,8 @@ def handle(conn: socket.socket, *, request_timeout: float, config: OwnConfig) ->
         _close_all(fds)
         raise
     if isinstance(reply, HookWork):
-        return dataclasses.replace(reply, received=received, triaged=time.monotonic())  # it owns the fds now
+        # it owns the fds now
+        return dataclasses.replace(reply, received=received, triaged=time.monotonic(), faults=faults)
     _close_all(fds)
     _answer(conn, reply)
     _log_answered(config)
@@ -343,7 +347,8 @@ def serve_gpu_request(conn: socket.socket, work: HookWork, apply_child: ChildAhe
     marks = {"receive": work.received, "triage": work.triaged, "handover": serving, "view": starting,
              "start": time.monotonic()}
     steps = {b: round((tb - ta) * 1000, 2) for (_, ta), (b, tb) in itertools.pairwise(marks.items())}
-    get_logger().info("request_served", ms=round((marks["start"] - work.received) * 1000, 2), steps_ms=steps)
+    get_logger().info("request_served", ms=round((marks["start"] - work.received) * 1000, 2), steps_ms=steps,
+                      page_faults=_page_faults() - work.faults)
     _send_quietly(conn, wire.encode_reply(b"done", status, message))
 
 
@@ -377,6 +382,11 @@ def run_start(call: hookcall.HookCall | nvcli.Configure, config: Config,
     finally:
         _log_imports(sorted(set(sys.modules) - before))
     return 0, ""
+
+
+def _page_faults() -> int:
+    """This process's page faults so far (the minor ones: no I/O, mostly copy-on-write after its fork)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _send_quietly(conn: socket.socket, data: bytes) -> None:
