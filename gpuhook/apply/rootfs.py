@@ -33,10 +33,22 @@ _NEW_FILE: Final = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY | os.O_C
 _NEW_TARGET: Final = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDONLY | os.O_CLOEXEC
 
 
+def _names(path: str) -> list[str]:
+    """The names in a container path (slashes collapsed, '.' dropped, as PurePosixPath's parts after the
+    root). String work: one start splits a few hundred paths."""
+    return [name for name in path.split("/") if name and name != "."]
+
+
+def _split(path: str) -> tuple[str, str]:
+    """A container path's parent directory and last name."""
+    names = _names(path)
+    return "/" + "/".join(names[:-1]), names[-1] if names else ""
+
+
 def _resolve_flags(path: str) -> int:
     """IN_ROOT, plus NO_SYMLINKS under the runtime-owned /dev and /proc."""
-    top = PurePosixPath(path).parts[1] if len(PurePosixPath(path).parts) > 1 else ""
-    return _IN_ROOT | (pathrs.RESOLVE_NO_SYMLINKS if top in _RUNTIME_OWNED else 0)
+    names = _names(path)
+    return _IN_ROOT | (pathrs.RESOLVE_NO_SYMLINKS if names and names[0] in _RUNTIME_OWNED else 0)
 
 
 class RootFs:
@@ -89,7 +101,7 @@ class RootFs:
 
     def _create_next(self, path: str) -> str:
         """Create the first missing component of *path*; returns the path to retry."""
-        parts = PurePosixPath(path).parts[1:]
+        parts = _names(path)
         depth = len(parts) - 1
         while depth > 0 and self.try_open("/" + "/".join(parts[:depth]), os.O_PATH | os.O_DIRECTORY) is None:
             depth -= 1
@@ -113,9 +125,8 @@ class RootFs:
 
     def mount_target(self, path: str) -> int:
         """An O_PATH fd of a regular file at *path* to mount over; created if absent."""
-        parent = PurePosixPath(path).parent
-        name = PurePosixPath(path).name
-        dir_fd = self.directory(str(parent))
+        parent, name = _split(path)
+        dir_fd = self.directory(parent)
         try:
             # The usual case, a file we create: its fd is the target (regular by construction), no lookup again.
             created = os.open(name, _NEW_TARGET, 0o644, dir_fd=dir_fd)
@@ -138,7 +149,7 @@ class RootFs:
 
     def mknod(self, path: str, major: int, minor: int, mode: int) -> None:
         """Create the character device *path*; an identical existing node is accepted."""
-        parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        parent, name = _split(path)
         dir_fd = self.directory(parent)
         rdev = os.makedev(major, minor)
         try:
@@ -168,7 +179,7 @@ class RootFs:
         """Create (or replace) the regular file *path* with *data*; never writes through a symlink.
         A file already holding exactly *data* is left as it is; another one is set aside (an undo
         puts it back)."""
-        parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        parent, name = _split(path)
         dir_fd = self.directory(parent)
         try:
             old = pathrs.openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, pathrs.RESOLVE_NO_SYMLINKS)
@@ -192,7 +203,7 @@ class RootFs:
     def remove_if(self, path: str, limit: int, wanted: Callable[[bytes], bool]) -> bool:
         """Remove the regular file *path* (at most *limit* bytes) if ``wanted(its contents)``; an undo
         puts it back. Nothing but a regular file is opened, and no final symlink followed. True if removed."""
-        parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        parent, name = _split(path)
         dir_fd = self._existing_dir(parent)
         if dir_fd is None:
             return False
@@ -215,7 +226,7 @@ class RootFs:
     def save_aside(self, path: str) -> None:
         """Keep the image's *path* (a file or a symlink, not followed) as it is now, for an undo to put
         back whatever replaces it; if absent, an undo removes what appears there."""
-        parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        parent, name = _split(path)
         dir_fd = self._existing_dir(parent)
         if dir_fd is None:
             return
@@ -275,7 +286,7 @@ class RootFs:
 
     def symlink(self, path: str, target: str) -> bool:
         """Create *path* → *target* unless something already exists there; True if created."""
-        parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        parent, name = _split(path)
         dir_fd = self.directory(parent)
         try:
             os.symlink(target, name, dir_fd=dir_fd)

@@ -31,6 +31,19 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
+_HOW_SIZE: Final = ctypes.sizeof(_OpenHow)
+#: The open_how structs in use, by (flags, resolve): a start opens a few hundred paths with a handful of
+#: combinations, and the kernel only reads the struct.
+_HOWS: dict[tuple[int, int], ctypes._CArgObject] = {}
+
+
+def _how(flags: int, resolve: int) -> ctypes._CArgObject:
+    """A reference to the open_how for *flags* and *resolve*, made once."""
+    if (known := _HOWS.get((flags, resolve))) is None:
+        known = _HOWS[flags, resolve] = ctypes.byref(_OpenHow(flags=flags, mode=0, resolve=resolve))
+    return known
+
+
 _openat2_missing: list[bool] = []
 #: Lookups retried on EAGAIN: a busy host's mounts and renames, not an attacker, cause it, and
 #: each retry is one syscall.
@@ -47,10 +60,10 @@ def openat2(dir_fd: int, path: str, flags: int, resolve: int) -> int:
     the lookup is simply tried again, up to ``EAGAIN_RETRIES`` times.
     """
     if not _openat2_missing:
-        how = _OpenHow(flags=flags | os.O_CLOEXEC, mode=0, resolve=resolve)
+        how = _how(flags | os.O_CLOEXEC, resolve)
         raw = encode_path(path)
         for _ in range(EAGAIN_RETRIES):
-            fd = syscall(SYS_OPENAT2, dir_fd, raw, ctypes.byref(how), ctypes.sizeof(how))
+            fd = syscall(SYS_OPENAT2, dir_fd, raw, how, _HOW_SIZE)
             if fd >= 0 or ctypes.get_errno() != errno.EAGAIN:
                 break
         if fd >= 0 or ctypes.get_errno() != errno.ENOSYS:
