@@ -206,7 +206,7 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int,
         try:
             server.serve_gpu_request(conn, request, apply_child, config)
         finally:
-            conn.close()  # the reply's end (a hook reads to EOF): it goes on now, not once this worker has exited
+            conn.close()
             # Now the daemon forks a replacement (if no other idle worker took this one's place):
             # preparing it while this request ran would take CPU from it. The pages this start wrote
             # come with the word: the replacement copies them in while it waits.

@@ -390,10 +390,13 @@ def _page_faults() -> int:
 
 
 def _send_quietly(conn: socket.socket, data: bytes) -> None:
-    """Send a reply; a hook that has gone (killed by its runtime, a probe) costs only its connection."""
+    """Send a reply, the connection's last word, and its end: a hook reads to EOF, and goes on before the
+    worker has logged or tidied up. A hook that has gone (killed by its runtime, a probe) costs only its
+    connection."""
     try:
         conn.settimeout(SEND_TIMEOUT)
         conn.sendall(data)
+        conn.shutdown(socket.SHUT_WR)
     except OSError as err:
         say(f"the hook left before its answer ({err.strerror or err})")
 
