@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
     from gpuhook.apply.ahead import ChildAhead
     from gpuhook.cdi import Rendered
+    from gpuhook.sys.prefault import Learned
 
 # What only gpuhookd, CDI, spec edits or `doctor` use is imported where it is used: an in-process
 # start (the hook where gpuhookd does not serve) imports this module, and every module costs it.
@@ -182,7 +183,7 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
     # The start's one info line (its steps are logged at debug): what it gave, how long each step took (the
     # profile `make bench` prints), and the peak memory of this process (not counting the apply child).
     log.info("applied", gpus=list(plan.gpus), ms=_ms(step), total_ms=_ms(started),
-             steps_ms={**profile, **dict(report.steps_ms)},
+             steps_ms={**profile, **dict(report.steps_ms)}, apply_page_faults=report.page_faults,
              peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
 
 
@@ -613,12 +614,14 @@ def _warm_plan(config: Config, inventory: Inventory) -> None:
               narrow_to_live(inventory, live), live, target)
 
 
-def fork_apply_ahead(*, priority: int, close: Sequence[int] = (), ldconfig_ahead: bool = True) -> ChildAhead:
+def fork_apply_ahead(*, priority: int, close: Sequence[int] = (), ldconfig_ahead: bool = True,
+                     learned: Learned | None = None) -> ChildAhead:
     """An apply child forked before its request arrives (an idle gpuhookd worker's), with its ldconfig
-    child unless *ldconfig_ahead* is false (``prepare_worker`` found that gpuhook writes the cache itself)."""
+    child unless *ldconfig_ahead* is false (``prepare_worker`` found that gpuhook writes the cache itself);
+    it copies in the pages its predecessors wrote (*learned*) while it waits."""
     from gpuhook.apply import fork_apply_child
 
-    return fork_apply_child(priority=priority, close=close, ldconfig_ahead=ldconfig_ahead)
+    return fork_apply_child(priority=priority, close=close, ldconfig_ahead=ldconfig_ahead, learned=learned)
 
 
 def enter_hook_view(fds: Sequence[int]) -> str:

@@ -355,7 +355,7 @@ def _logged_timings(log: Path | None, offset: int) -> dict[str, float]:
             out["apply_ms"], out["total_ms"] = event["ms"], event["total_ms"]
             out.update({f"step:{step}": ms for step, ms in event.get("steps_ms", {}).items()})
             if event.get("served_by") == "gpuhookd":
-                out["worker_rss_mib"] = event["peak_rss_mib"]
+                out["worker_rss_mib"], out["apply_page_faults"] = event["peak_rss_mib"], event["apply_page_faults"]
         elif event.get("event") == "request_served":  # gpuhookd's side of the exchange, around the start
             out["served_ms"], out["page_faults"] = event["ms"], event["page_faults"]
             out.update({f"served:{step}": ms for step, ms in event["steps_ms"].items() if step != "start"})
@@ -422,7 +422,7 @@ def summarise(scenarios: Sequence[Scenario], samples: dict[str, Samples]) -> dic
         steps = dict.fromkeys(k for t in got.log_ms for k in t if k.startswith(("step:", "served:")))
         profile = {k.removeprefix("step:").replace("served:", "gpuhookd: "):
                    round(statistics.median(t.get(k, 0.0) for t in got.log_ms), 2) for k in steps}
-        for key in ("served_ms", "page_faults"):
+        for key in ("served_ms", "page_faults", "apply_page_faults"):
             if any(key in t for t in got.log_ms):
                 logged[key] = round(statistics.median(t[key] for t in got.log_ms if key in t), 1)
         out[scenario.name] = {
@@ -565,8 +565,10 @@ def profile_lines(results: dict[str, dict[str, Any]]) -> list[str]:
         for step in steps:
             cells[step].append(f"{profile.get(step, 0):g}")
     lines += [f"| {h} | " + " | ".join(cells[h]) + " |" for h in head]
-    faults = [f"{(r['hook_log_ms_median'] or {}).get('page_faults', '–')}" for r in (results[n] for n in rows)]
-    return [*lines, "| gpuhookd worker's page faults (count, not ms) | " + " | ".join(faults) + " |"]
+    for key, what in (("page_faults", "gpuhookd worker's page faults"), ("apply_page_faults", "its apply child's")):
+        faults = [f"{(results[name]['hook_log_ms_median'] or {}).get(key, '–')}" for name in rows]
+        lines.append(f"| {what} (a count, not ms) | " + " | ".join(faults) + " |")
+    return lines
 
 
 def print_report(report: dict[str, Any]) -> None:

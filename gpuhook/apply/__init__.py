@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from gpuhook.apply.ahead import ChildAhead
     from gpuhook.apply.cgroups import Undo
+    from gpuhook.sys.prefault import Learned
 
 _NO_PROC_DRIVER = "the container's /proc has no driver/nvidia (the NVIDIA kernel module is not loaded on this host)"
 
@@ -73,6 +75,8 @@ class ApplyReport:
     #: (step, milliseconds) in the child, in order: open (host sources, the container's root), nodes,
     #: mounts, symlinks, proc (/proc/driver/nvidia), ldconfig (the profile `make bench` prints)
     steps_ms: tuple[tuple[str, float], ...] = ()
+    #: the child's page faults over its work (copies of pages it shared with its parent: ``sys.prefault``)
+    page_faults: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,16 +132,20 @@ class ChildForkedAhead:
     root_fd: int
 
 
-def fork_apply_child(*, priority: int, close: Sequence[int] = (), ldconfig_ahead: bool = True) -> ChildAhead:
+def fork_apply_child(*, priority: int, close: Sequence[int] = (), ldconfig_ahead: bool = True,
+                     learned: Learned | None = None) -> ChildAhead:
     """An apply child forked now, to get its plan later (an idle gpuhookd worker does this); it
     closes *close*, fds of the worker it must not hold, and waits at nice value *priority*.
     *ldconfig_ahead*: it forks its own ldconfig child ahead too (where gpuhook writes the cache
-    itself, ldconfig runs only for a rare image with hundreds of libraries: forked then)."""
+    itself, ldconfig runs only for a rare image with hundreds of libraries: forked then).
+    *learned*: the pages earlier apply children wrote, copied in while it waits, and its own kept."""
     from gpuhook.apply.ahead import ChildAhead  # gpuhookd only: a hook forks at once
     from gpuhook.apply.ldconfig import fork_ldconfig_ahead
+    from gpuhook.sys.prefault import Role
 
     return ChildAhead(_child_from_payload, priority=priority, close=close,
-                      prepare=fork_ldconfig_ahead if ldconfig_ahead else None)
+                      prepare=fork_ldconfig_ahead if ldconfig_ahead else None,
+                      learned=(learned, Role.APPLY_CHILD) if learned is not None else None)
 
 
 @contextmanager
@@ -251,8 +259,10 @@ def _collect(child: int, read_fd: int, container: ContainerRef, timeout: float) 
         report = {"error": ApplyError("apply", str(rootfs), detail=f"garbled report {raw[:200]!r}").to_dict()}
     if "error" in report:
         raise error_from_dict(report["error"])
+    faults = report.get("page_faults")
     return ApplyReport(skipped=tuple(report["skipped"]), notes=tuple(report.get("notes", ())),
-                       steps_ms=tuple(report.get("steps_ms", {}).items()))
+                       steps_ms=tuple(report.get("steps_ms", {}).items()),
+                       page_faults=faults if isinstance(faults, int) else 0)
 
 
 def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ahead: ChildAhead | None,
@@ -278,6 +288,7 @@ def _child_main(
     child it forked ahead (a child forked ahead by gpuhookd).
     """
     deadline = time.monotonic() + timeout
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     fs: RootFs | None = None
     try:
         process.prctl(process.PR_SET_DUMPABLE, 0)  # no ptrace or /proc/<pid>/mem access from the container
@@ -292,7 +303,8 @@ def _child_main(
         notes: list[str] = []
         fs, skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, ldconfig_ahead,
                                           channel.fileno(), steps, notes)
-        report: dict[str, object] = {"skipped": skipped, "notes": notes, "steps_ms": steps}
+        report: dict[str, object] = {"skipped": skipped, "notes": notes, "steps_ms": steps,
+                                     "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}
         status = 0
     except ApplyError as err:
         report = {"error": err.to_dict()}

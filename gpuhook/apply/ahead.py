@@ -17,7 +17,7 @@ import signal
 import socket
 import struct
 
-from gpuhook.sys import fdpass, process
+from gpuhook.sys import fdpass, prefault, process
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -33,17 +33,20 @@ PAYLOAD_LIMIT = 64 << 20
 #: the payload's length, sent before it (the channel stays open after the payload)
 _HEADER = struct.Struct("<Q")
 MAX_FDS = 8
+_LOWEST = 19
 
 
 class ChildAhead:
     """A forked child waiting for its work; ``start`` hands it over (once)."""
 
     def __init__(self, work: Work, *, priority: int, close: Sequence[int] = (),
-                 prepare: Prepare | None = None) -> None:
+                 prepare: Prepare | None = None, learned: tuple[prefault.Learned, prefault.Role] | None = None,
+                 ) -> None:
         """Fork now. The child closes *close* (its parent's fds it must not hold), runs
-        ``prepare(its own fds to keep out, priority)`` (to fork its own child ahead), takes the nice
-        value *priority* (it was forked by an idle process at the lowest), waits, then runs
-        ``work(payload, fds, report_fd, prepared)`` and exits with its status."""
+        ``prepare(its own fds to keep out, priority)`` (to fork its own child ahead), copies in the
+        pages its predecessors of that role wrote (*learned*), takes the nice value *priority* (it was
+        forked by an idle process at the lowest), waits, then runs ``work(payload, fds, report_fd,
+        prepared)``, keeps the pages it wrote as that role's newest and exits with its status."""
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         parent = os.getpid()
@@ -54,7 +57,7 @@ class ChildAhead:
                 os.close(fd)
             status = 1
             try:
-                status = _wait_for_work(child_end, write_fd, work, parent, priority, prepare)
+                status = _wait_for_work(child_end, write_fd, work, parent, priority, prepare, learned)
             except BaseException as err:  # noqa: BLE001 - say why (the journal), never unwind into the forker
                 os.write(2, f"gpuhookd: a child forked ahead failed: {err!r}\n".encode())
             finally:
@@ -95,12 +98,14 @@ class ChildAhead:
 
 
 def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: int, priority: int,
-                   prepare: Prepare | None) -> int:
+                   prepare: Prepare | None, learned: tuple[prefault.Learned, prefault.Role] | None) -> int:
     """The child's side: prepare, wait for the payload (or EOF: cancelled), run the work."""
     process.prctl(process.PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the process that forked us
     if os.getppid() != parent:
         return 0
     prepared = prepare((channel.fileno(), report_fd), priority) if prepare is not None else None
+    if learned is not None:
+        prefault.populate(learned[0].load(learned[1]))  # after prepare's fork, which would share the copies
     os.setpriority(os.PRIO_PROCESS, 0, priority)  # prepared: wake for the work at full priority
     received = bytearray()
     fds: list[int] = []
@@ -124,4 +129,8 @@ def _wait_for_work(channel: socket.socket, report_fd: int, work: Work, parent: i
         if prepared is not None:
             prepared.cancel()
         return 0
-    return work(bytes(received[_HEADER.size:]), fds, report_fd, prepared, channel)
+    status = work(bytes(received[_HEADER.size:]), fds, report_fd, prepared, channel)
+    if learned is not None:  # the work is done and answered: at the lowest priority, for the next child
+        os.setpriority(os.PRIO_PROCESS, 0, _LOWEST)
+        learned[0].store(learned[1], prefault.written_pages())
+    return status

@@ -4,8 +4,9 @@ The daemon (the parent) never touches a connection; it only forks workers, count
 watches the lease holders (``holders``: a container's lease is released when its init exits).
 Each worker tells it, one byte on its own socketpair, when it has accepted a connection
 (``BUSY``), when it waits again (``IDLE``) and when it has answered a GPU request and exits
-(``DONE``; EOF says the same), followed by the pages its start wrote (``sys.prefault``), which the
-next workers copy in while they wait. The daemon keeps ``spares`` workers idle:
+(``DONE``; EOF says the same). The pages a worker's start wrote (and its apply child's) go into a
+region the whole pool shares (``sys.prefault.Learned``): the next ones copy them in while they
+wait. The daemon keeps ``spares`` workers idle:
 
 * a worker that accepts while no other idle worker remains is replaced at once, so a client
   that sends nothing (or a byte a second) holds one worker, at most ``READ_TIMEOUT`` seconds,
@@ -29,7 +30,6 @@ import os
 import select
 import signal
 import socket
-import struct
 import time
 import traceback
 from dataclasses import dataclass
@@ -53,11 +53,6 @@ SPARE_WORKERS = 2
 #: ~8 MiB of its own once it has copied in the pages a start writes).
 MAX_WORKERS = 32
 IDLE_NICE = 19
-#: The most memory a worker copies in ahead: the pages the starts wrote grow towards the union of
-#: what every kind of start writes (~7 MiB for 8 GPUs); a set past this is not taken.
-PREFAULT_MOST = 12 << 20
-#: What a worker's page ranges may take to arrive, and be at most (a few thousand ranges), and their length's form
-_LEARN_TIMEOUT_S, _LEARN_LIMIT, _LENGTH = 1.0, 1 << 20, struct.Struct("<I")
 BUSY, IDLE, DONE, RETIRE = b"b", b"i", b"x", b"r"
 #: Requests a worker answers without entering a hook's view (no GPU asked, pings, declines) before
 #: it retires anyway: it runs with the collector off, so whatever cycles a request leaves stay.
@@ -89,7 +84,7 @@ def serve(listener: socket.socket, *, request_timeout: float, config: OwnConfig,
     holders = HolderWatch(config)
     holders.refresh(force=True)
     full = False
-    learned = Learned()
+    learned = prefault.Learned()  # before the forks: every worker and child shares it
     while True:
         idle = sum(not w.busy and not w.retiring for w in workers.values())
         busy = sum(w.busy for w in workers.values())
@@ -101,7 +96,7 @@ def serve(listener: socket.socket, *, request_timeout: float, config: OwnConfig,
                 full = True
                 break
             try:
-                worker = _fork_worker(listener, request_timeout, normal, config, learned.pages,
+                worker = _fork_worker(listener, request_timeout, normal, config, learned,
                                       inherited=[*(w.end.fileno() for w in workers.values()), *holders.fds()])
             except OSError as err:  # EAGAIN, ENOMEM: say so, retry soon
                 say(f"fork failed: {err}")
@@ -115,32 +110,20 @@ def serve(listener: socket.socket, *, request_timeout: float, config: OwnConfig,
         ended = False
         for fd in ready:
             if fd in workers:
-                ended |= _note(workers, fd, spares, learned)
+                ended |= _note(workers, fd, spares)
             else:
                 holders.exited(fd)
         holders.refresh(force=ended)  # a worker that ended may have taken a lease
 
 
-@dataclass(slots=True)
-class Learned:
-    """The pages the newest GPU start wrote in its worker: what the next workers copy in ahead."""
-
-    pages: prefault.Ranges = ()
-
-
-def _note(workers: dict[int, _Worker], fd: int, spares: int, learned: Learned) -> bool:
-    """Take in what the worker on *fd* says: busy, idle again, or gone (True: it ended), and the pages
-    a worker that served a GPU start wrote (into *learned*)."""
+def _note(workers: dict[int, _Worker], fd: int, spares: int) -> bool:
+    """Take in what the worker on *fd* says: busy, idle again, or gone (True: it ended)."""
     worker = workers[fd]
     try:
         said = worker.end.recv(64)
     except OSError:
         said = b""
     if not said or DONE in said:  # answered a GPU request (it exits), retired, or died
-        if DONE in said:
-            pages = _read_pages(worker.end, said[said.index(DONE) + 1:])
-            if pages and prefault.size(pages) <= PREFAULT_MOST:
-                learned.pages = pages
         worker.end.close()
         del workers[fd]
         return True
@@ -153,22 +136,9 @@ def _note(workers: dict[int, _Worker], fd: int, spares: int, learned: Learned) -
     return False
 
 
-def _read_pages(end: socket.socket, head: bytes) -> prefault.Ranges:
-    """The page ranges a worker sends after DONE, length first (*head*: what came with DONE)."""
-    data = bytearray(head)
-    end.settimeout(_LEARN_TIMEOUT_S)
-    with contextlib.suppress(OSError):  # a worker gone midway: what arrived, whole ranges only
-        while len(data) < _LENGTH.size and (chunk := end.recv(_LENGTH.size)):
-            data += chunk
-        want = _LENGTH.size + min(_LENGTH.unpack_from(data)[0], _LEARN_LIMIT) if len(data) >= _LENGTH.size else 0
-        while len(data) < want and (chunk := end.recv(want - len(data))):
-            data += chunk
-    return prefault.decode(bytes(data[_LENGTH.size:want]))
-
-
 def _fork_worker(listener: socket.socket, request_timeout: float, priority: int, config: OwnConfig,
-                 pages: prefault.Ranges, inherited: Sequence[int]) -> _Worker:
-    """Fork one worker that waits for a connection; *pages*: what the last GPU start wrote, copied in ahead."""
+                 learned: prefault.Learned, inherited: Sequence[int]) -> _Worker:
+    """Fork one worker that waits for a connection (*learned*: the pool's pages that starts wrote)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     daemon = os.getpid()
     pid = os.fork()
@@ -195,8 +165,9 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int,
                 # Before the fork: the apply child inherits what was read (the driver's libraries).
                 native = service.prepare_worker(config.path, required=config.required)
                 ahead.append(service.fork_apply_ahead(close=(listener.fileno(), theirs.fileno()), priority=priority,
-                                                      ldconfig_ahead=not native))
-                prefault.populate(pages)  # after that fork, which would share the copies again
+                                                      ldconfig_ahead=not native, learned=learned))
+                # After that fork, which would share the copies again:
+                prefault.populate(learned.load(prefault.Role.WORKER))
             os.setpriority(os.PRIO_PROCESS, 0, priority)
 
         conn, request = _answer_until_gpu_request(listener, theirs, daemon, request_timeout, config, priority,
@@ -207,11 +178,10 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int,
             server.serve_gpu_request(conn, request, apply_child, config)
         finally:
             conn.close()
+            learned.store(prefault.Role.WORKER, prefault.written_pages())  # for the replacement, before it forks
             # Now the daemon forks a replacement (if no other idle worker took this one's place):
-            # preparing it while this request ran would take CPU from it. The pages this start wrote
-            # come with the word: the replacement copies them in while it waits.
-            written = prefault.encode(prefault.written_pages())
-            _tell(theirs, DONE + _LENGTH.pack(len(written)) + written)
+            # preparing it while this request ran would take CPU from it.
+            _tell(theirs, DONE)
             if apply_child is not None:
                 apply_child.cancel()  # unless the request started it
     except BaseException:  # noqa: BLE001 - a worker never unwinds into the daemon's loop
@@ -275,6 +245,6 @@ def _accept(listener: socket.socket, daemon_end: socket.socket, waiter: select.e
 
 
 def _tell(daemon_end: socket.socket, what: bytes) -> None:
-    """A word to the daemon; a daemon that is gone needs no news."""
+    """One byte to the daemon; a daemon that is gone needs no news."""
     with contextlib.suppress(OSError):
-        daemon_end.sendall(what)
+        daemon_end.send(what)

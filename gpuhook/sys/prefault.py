@@ -3,11 +3,13 @@
 A process forked from a large one shares every page with it, copy-on-write: its first write to
 each costs a fault and a page copy. A gpuhookd worker's GPU start writes a thousand-odd pages
 its fork shares with the daemon (reference counts, dicts, caches), which measured ~6 ms of a
-~30 ms start. Which pages those are is learned from a worker that served one (``written_pages``:
-the pages the kernel reports as that process's alone), and the next idle workers copy them in
-ahead (``populate``), off the start's path; the addresses stay valid because every worker is
-forked from the same daemon. Copying all of a worker's writable memory instead cost ~25 ms of
-CPU per worker, which a burst of starts then waits for.
+~30 ms start, and its apply child some hundreds more. Which pages those are is learned from a
+process that did the work (``written_pages``: the pages the kernel reports as that process's
+alone), kept in a small region every process of the pool shares (``Learned``), and the next
+process of the same kind copies them in while it waits (``populate``), off the start's path; the
+addresses stay valid because all of them are forked from the same daemon. Copying all of a
+worker's writable memory instead cost ~25 ms of CPU per worker, which a burst of starts then
+waits for.
 
 Needs /proc/self/pagemap's "exclusively mapped" bit (Linux 4.2) and MADV_POPULATE_WRITE (5.14);
 on older kernels ``written_pages`` finds nothing and ``populate`` copies nothing.
@@ -16,9 +18,12 @@ on older kernels ``written_pages`` finds nothing and ``populate`` copies nothing
 from __future__ import annotations
 
 import ctypes
+import enum
 import errno
+import mmap
 import os
 import struct
+import zlib
 from typing import Final
 
 from gpuhook.sys._libc import libc
@@ -118,3 +123,42 @@ def decode(data: bytes) -> Ranges:
     """``encode``'s ranges back (a torn tail is dropped)."""
     usable = len(data) - len(data) % 16
     return tuple(struct.iter_unpack("<QQ", data[:usable]))
+
+
+class Role(enum.IntEnum):
+    """The kinds of process whose pages are learned apart (each writes its own)."""
+
+    WORKER = 0
+    APPLY_CHILD = 1
+
+
+class Learned:
+    """The newest page set of each role, in a MAP_SHARED region made before the pool forks: every
+    process forked after reads and writes the same bytes. A set is stored with its length and CRC,
+    so one read while another process stores is seen as torn and not used (nothing is copied in)."""
+
+    SLOT: Final = 64 << 10  # a few thousand ranges per role
+    #: the most memory a set may name: the sets grow towards the union of what every kind of start writes
+    #: (~7 MiB for a worker's 8-GPU start); a larger one is not taken
+    MOST: Final = 12 << 20
+    _HEAD: Final = struct.Struct("<II")
+
+    def __init__(self) -> None:
+        self._region = mmap.mmap(-1, self.SLOT * len(Role), flags=mmap.MAP_SHARED)
+
+    def store(self, role: Role, ranges: Ranges) -> None:
+        """Keep *ranges* as *role*'s newest set (unless they name more than ``MOST`` bytes)."""
+        data = encode(ranges)
+        if size(ranges) > self.MOST or self._HEAD.size + len(data) > self.SLOT:
+            return
+        start = role * self.SLOT
+        self._region[start:start + self._HEAD.size + len(data)] = self._HEAD.pack(len(data), zlib.crc32(data)) + data
+
+    def load(self, role: Role) -> Ranges:
+        """*role*'s newest set (none yet, or torn: empty)."""
+        start = role * self.SLOT
+        length, crc = self._HEAD.unpack_from(self._region, start)
+        if length > self.SLOT - self._HEAD.size:
+            return ()
+        data = self._region[start + self._HEAD.size:start + self._HEAD.size + length]
+        return decode(data) if zlib.crc32(data) == crc else ()

@@ -74,20 +74,24 @@ def test_spare_workers_wait_for_requests(make_container: MakeContainer, host: Fa
 
 def test_the_next_workers_copy_in_the_pages_a_gpu_start_wrote(make_container: MakeContainer, host: FakeHost,
                                                               daemon: Gpuhookd) -> None:
-    """A worker that served a GPU start tells the daemon which pages it wrote; the workers forked after
-    copy those in while they wait (sys.prefault), so their start takes a fraction of the first one's
-    page faults (each a page copied from the daemon's), as gpuhookd logs them."""
+    """A worker that served a GPU start, and its apply child, keep the pages they wrote where the whole
+    pool sees them; the workers and children forked after copy those in while they wait (sys.prefault),
+    so their start takes a fraction of the first one's page faults (each a page copied from the
+    daemon's), as gpuhookd logs them."""
     hook = hook_entry(host.config_path, "--daemon-socket", daemon.socket, "prestart")
     faults = []
     for _ in range(4):
         daemon.settled()  # the next start is a prepared worker's (spares fork and copy at nice 19)
         offset = log_size(host)
         assert make_container("true", TWO_GPUS, hook=hook).run().returncode == 0
-        served = [e for e in events_after(host.root / "gpuhook.log", offset) if e["event"] == "request_served"]
-        faults.append(served[-1]["page_faults"])
+        events = events_after(host.root / "gpuhook.log", offset)
+        served = next(e for e in events if e["event"] == "request_served")
+        applied = next(e for e in events if e["event"] == "applied")
+        faults.append((served["page_faults"], applied["apply_page_faults"]))
     # The first start is a worker's forked before any start; of the next three, at most one is (the other
     # spare forked then), the rest replacements.
-    assert min(faults[1:]) < faults[0] / 2, faults
+    (worker, child), later = faults[0], faults[1:]
+    assert min(w for w, _ in later) < worker / 2 and min(c for _, c in later) < child / 2, faults
 
 
 def test_the_ldconfig_child_waits_only_where_ldconfig_writes_the_caches(

@@ -82,3 +82,22 @@ def test_ranges_survive_their_encoding_and_a_torn_tail_is_dropped() -> None:
     assert prefault.decode(encoded) == ranges
     assert prefault.decode(encoded[:-3]) == ranges[:1]
     assert prefault.populate(()) == 0
+
+
+def test_learned_sets_are_shared_with_every_later_fork_and_a_torn_one_is_not_used() -> None:
+    learned = prefault.Learned()
+    worker, child = ((0x1000, 0x5000),), ((0x9000, 0xA000), (0xC000, 0xD000))
+
+    def store() -> bytes:
+        learned.store(prefault.Role.WORKER, worker)
+        learned.store(prefault.Role.APPLY_CHILD, child)
+        return b""
+
+    _in_child(store)  # a process forked after the region was made writes it; its parent reads it
+    assert (learned.load(prefault.Role.WORKER), learned.load(prefault.Role.APPLY_CHILD)) == (worker, child)
+    assert _in_child(lambda: prefault.encode(learned.load(prefault.Role.APPLY_CHILD))) == prefault.encode(child)
+    too_much = ((0, prefault.Learned.MOST + prefault.PAGE),)
+    learned.store(prefault.Role.WORKER, too_much)  # not taken: the older set stays
+    assert learned.load(prefault.Role.WORKER) == worker
+    learned._region[prefault.Learned.SLOT + 12] ^= 0xFF  # a byte of the child's set, as a racing store leaves it
+    assert learned.load(prefault.Role.APPLY_CHILD) == ()
