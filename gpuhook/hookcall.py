@@ -230,8 +230,7 @@ def lease_may_exist(config_arg: str | None, env: Mapping[str, str], container_id
     reads it only from the one shape gpuhook writes (a top-level ``state_dir: /path`` line) and
     leaves every other shape to the full config load.
     """
-    key = container_id.encode()
-    if not key or not set(key) <= _SAFE_ID:
+    if not _plain(container_id):
         return _MAY  # JSON would escape it: the full path reads the ledger
     path = config_arg or env.get("GPUHOOK_CONFIG") or _DEFAULT_CONFIG
     # A named config must exist (the full load says so); the default one may be absent.
@@ -245,7 +244,19 @@ def lease_may_exist(config_arg: str | None, env: Mapping[str, str], container_id
     if state_dir is None:
         return _MAY
     ledger = _read_small(f"{state_dir}/{LEDGER_NAME}", b"", limit=-1) if state_dir else b""
-    return ledger is None or b'"container_id": "' + key + b'"' in ledger
+    return ledger is None or ledger_may_name(ledger, container_id)
+
+
+def ledger_may_name(ledger: bytes, container_id: str) -> bool:
+    """False only when the ledger's bytes certainly hold no lease of *container_id* (an id JSON would
+    escape is looked for by the full path: True)."""
+    return not _plain(container_id) or b'"container_id": "' + container_id.encode() + b'"' in ledger
+
+
+def _plain(container_id: str) -> bool:
+    """Whether *container_id* is written into the ledger's JSON as it is (no escapes)."""
+    key = container_id.encode()
+    return bool(key) and set(key) <= _SAFE_ID
 
 
 def _read_small(path: str, missing: bytes | None, *, limit: int = 1 << 20) -> bytes | None:

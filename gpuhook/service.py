@@ -209,6 +209,8 @@ def stop(config: Config, state_obj: Mapping[str, Any], *, served_by: str) -> Non
     container_id = state_obj.get("id")
     if config.state_dir is None or not isinstance(container_id, str):
         return  # a state that names no container holds nothing (NVIDIA's poststop reads nothing either)
+    if not ledger_store.may_name(config.state_dir, container_id):
+        return  # no lease names it (most poststops: a container without GPUs): no lock to take
     log = get_logger()
     log.bind(container_id=container_id, served_by=served_by)
     released, kept = leases.release_if_gone(config.state_dir, container_id)

@@ -33,6 +33,7 @@ PAYLOAD_LIMIT = 64 << 20
 #: the payload's length, sent before it (the channel stays open after the payload)
 _HEADER = struct.Struct("<Q")
 MAX_FDS = 8
+#: the nice value a child takes once its work is answered (gpuhookd's spares prepare at it too)
 _LOWEST = 19
 
 

@@ -178,7 +178,10 @@ def _fork_worker(listener: socket.socket, request_timeout: float, priority: int,
             server.serve_gpu_request(conn, request, apply_child, config)
         finally:
             conn.close()
-            learned.store(prefault.Role.WORKER, prefault.written_pages())  # for the replacement, before it forks
+            # The pages this start wrote, for the replacement (before it forks), read at the lowest priority:
+            # the container's start goes on meanwhile.
+            os.setpriority(os.PRIO_PROCESS, 0, IDLE_NICE)
+            learned.store(prefault.Role.WORKER, prefault.written_pages())
             # Now the daemon forks a replacement (if no other idle worker took this one's place):
             # preparing it while this request ran would take CPU from it.
             _tell(theirs, DONE)

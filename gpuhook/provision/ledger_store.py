@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from gpuhook.errors import StateError
-from gpuhook.hookcall import LEDGER_NAME
+from gpuhook.hookcall import LEDGER_NAME, ledger_may_name
 from gpuhook.sharing.ledger import Ledger, from_object, to_object
 from gpuhook.sys.files import replace_at
 
@@ -89,6 +89,21 @@ def read(state_dir: Path) -> Ledger:
         return _read(dir_fd, state_dir)
     finally:
         os.close(dir_fd)
+
+
+def may_name(state_dir: Path, container_id: str) -> bool:
+    """False only when the ledger certainly holds no lease of *container_id*: its bytes, read without the
+    lock (a change replaces the file whole, by rename), do not name it, or there is none. What cannot be
+    read is left to the locked path (True), which says why."""
+    try:
+        fd = os.open(state_dir / LEDGER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read(LIMIT + 1)
+    return len(data) > LIMIT or ledger_may_name(data, container_id)  # too large: the locked path refuses it
 
 
 def open_state_dir(state_dir: Path) -> int:

@@ -305,3 +305,22 @@ def test_concurrent_updates_lose_nothing(tmp_path: Path) -> None:
     assert _temps(state_dir) == []
     assert (state_dir / LEDGER).read_bytes().startswith(b"{")
     assert to_object(read(state_dir))["format"] == 1
+
+
+def test_may_name_says_no_only_when_the_ledger_certainly_holds_no_lease_of_the_container(tmp_path: Path) -> None:
+    """The poststop's lock-free look (service.stop): absent state_dir or ledger, or a ledger naming
+    others only, is "no"; the container's own lease, an id JSON would escape, a ledger too large to be
+    gpuhook's or one that cannot be opened leave the answer to the locked path."""
+    state = tmp_path / "state"
+    assert not ledger_store.may_name(state, "ctr-1")  # no state_dir yet (and none is made)
+    assert not state.exists()
+    update(state, _add("ctr-2"))
+    assert not ledger_store.may_name(state, "ctr-1")
+    update(state, _add("ctr-1"))
+    assert ledger_store.may_name(state, "ctr-1")
+    assert ledger_store.may_name(state, 'odd"id')
+    (state / LEDGER).write_bytes(b" " * (LIMIT + 1))
+    assert ledger_store.may_name(state, "ctr-3")
+    (state / LEDGER).unlink()
+    (state / LEDGER).symlink_to(tmp_path / "elsewhere.json")
+    assert ledger_store.may_name(state, "ctr-3")  # O_NOFOLLOW: not the ledger, the locked path says so
