@@ -15,8 +15,8 @@ one fails, so a refused container leaves nothing behind):
 
 The child reports back over a pipe as JSON; the parent turns a failure into
 an ``ApplyError`` naming the step and path. A child that made its changes then holds them,
-undoable, until the parent commits them (``RootfsChanges.commit``: one byte, one byte back);
-if the parent dies first (a runtime's hook timeout, gpuhookd's request alarm, SIGKILL), its end
+undoable, until the parent commits them (``RootfsChanges.commit``: one byte, and one back near
+the deadline); if the parent dies first (a runtime's hook timeout, gpuhookd's request alarm, SIGKILL), its end
 of their channel closes and the child undoes every change itself before it exits: the child
 does not die with its parent, so a killed hook leaves the rootfs as it was.
 """
@@ -89,12 +89,15 @@ class RootfsChanges:
     deadline: float
 
     def commit(self) -> None:
-        """Tell the child to keep its changes, and wait for its word that it has; raises ApplyError
-        when it has undone them instead (it gave up waiting, or died)."""
+        """Tell the child to keep its changes; raises ApplyError when it has undone them instead (it gave
+        up waiting, or died). The child waits for the word until a deadline later than ours (it started
+        after us, with the same timeout), and undoes nothing once it has it: with a second to spare
+        the word alone settles it; closer to the deadline the child's own word that it kept them is
+        waited for."""
         try:
             self.channel.settimeout(max(self.deadline - time.monotonic(), _COMMIT_GRACE_S))
             self.channel.send(_COMMIT)
-            kept = self.channel.recv(1) == _KEPT
+            kept = time.monotonic() < self.deadline - _COMMIT_GRACE_S or self.channel.recv(1) == _KEPT
         except OSError:
             kept = False
         finally:
@@ -109,7 +112,8 @@ class RootfsChanges:
 
 #: the parent's word that the start holds, and the child's that it kept its changes
 _COMMIT, _KEPT = b"c", b"k"
-#: what the commit may take at least, even with the start's time spent: the child only unlinks saved files
+#: what the commit may take at least, even with the start's time spent (the child only unlinks saved files),
+#: and the time left under which the child's word that it kept the changes is waited for
 _COMMIT_GRACE_S = 1.0
 
 

@@ -358,9 +358,9 @@ def _proc_driver(inventory: Inventory, device_plan: DevicePlan, skipped: list[Sk
         if name is None:
             skipped.append(Skipped(what=f"/proc/driver/nvidia/gpus for {gpu.uuid}", reason="not on the host"))
         else:
-            gpu_dirs.append((str(proc.host_dir / "gpus" / name), name))
+            gpu_dirs.append((f"{proc.host_dir}/gpus/{name}", name))
     caps = [cap for mig in device_plan.migs for cap in mig_cap_names(inventory.gpus[mig.parent_index], mig)]
-    cap_files = tuple((str(proc.host_dir / _cap_proc_file(cap)), _cap_proc_file(cap)) for cap in caps)
+    cap_files = tuple((f"{proc.host_dir}/{_cap_proc_file(cap)}", _cap_proc_file(cap)) for cap in caps)
     return ProcDriverMount(target="/proc/driver/nvidia", files=files, gpu_dirs=tuple(gpu_dirs), cap_files=cap_files)
 
 
