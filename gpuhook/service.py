@@ -30,7 +30,7 @@ from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
 from gpuhook import catalog
-from gpuhook.apply import (ChildForkedAhead, ContainerRef, HostLdconfig, change_rootfs, grant_device_access,
+from gpuhook.apply import (ChildForkedAhead, ContainerRef, HostLdconfig, grant_device_access, start_rootfs_changes,
                            opened_container)
 from gpuhook.config import Config, HealthPolicy, load_config, read_config, resolve_config_path
 from gpuhook.discovery import Found, Outcome, inventory_for
@@ -167,12 +167,20 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
                                lambda f: make_plan(request, f.inventory, _with_mps(f.live, reserved.mps), target))
         profile = {"plan": _ms(step)}
         _log_plan(plan)
-        step = time.monotonic()
-        if (ungrant := grant_device_access(plan, ref.pid)) is not None:
-            undo.callback(ungrant)
-        profile["cgroup"] = _ms(step)
-        report = change_rootfs(plan, pidfd, ref, ldconfig=_host_ldconfig(config), timeout=config.timeout_seconds,
-                               ahead=ahead)
+        # The apply child starts on the rootfs first: the device cgroup is granted while it works.
+        pending = start_rootfs_changes(plan, pidfd, ref, ldconfig=_host_ldconfig(config),
+                                       timeout=config.timeout_seconds, ahead=ahead)
+        try:
+            step = time.monotonic()
+            if (ungrant := grant_device_access(plan, ref.pid)) is not None:
+                undo.callback(ungrant)
+            profile["cgroup"] = _ms(step)
+        except BaseException:
+            pending.abandon()
+            raise
+        changes = pending.held()
+        changes.commit()
+        report = changes.report
         if holder is not None and config.state_dir is not None:
             leases.activate(config.state_dir, container.id, holder)
         undo.pop_all()  # the start holds: keep every effect

@@ -1,7 +1,7 @@
 """The one privileged step: apply a Plan to a live container.
 
-Two steps, which ``gpuhook.service`` runs in order on its undo stack (each undone if a later
-one fails, so a refused container leaves nothing behind):
+Two steps, which ``gpuhook.service`` runs at once, the child's started first, on its undo stack
+(each undone if the other fails, so a refused container leaves nothing behind):
 
 1. in the hook process, on the host: the device-cgroup rules;
 2. in a forked, single-threaded child (``setns`` into a mount namespace is
@@ -170,23 +170,14 @@ def grant_device_access(plan: Plan, pid: int) -> Undo | None:
     return cgroups.grant(cgroups.locate_device_cgroup(pid), plan.cgroup_rules)
 
 
-def change_rootfs(plan: Plan, pidfd: int, container: ContainerRef, *, ldconfig: HostLdconfig, timeout: float,
-                  ahead: ChildForkedAhead | None = None) -> ApplyReport:
-    """Step 2: the plan's nodes, mounts, symlinks, /proc mask and ldconfig, made in a child inside the
-    container's mount namespace (*ahead*'s child if given, else a fresh one), which undoes its own
-    changes when one fails or when this process dies before they are kept; kept as soon as the child
-    reports (the start's last step). Raises ApplyError."""
-    changes = hold_rootfs_changes(plan, pidfd, container, ldconfig=ldconfig, timeout=timeout, ahead=ahead)
-    changes.commit()
-    return changes.report
-
-
-def hold_rootfs_changes(plan: Plan, pidfd: int, container: ContainerRef, *, ldconfig: HostLdconfig, timeout: float,
-                        ahead: ChildForkedAhead | None = None) -> RootfsChanges:
-    """``change_rootfs`` for a caller with steps after it: the child holds its changes, undoable,
-    until ``commit()`` (and undoes them if this process dies first, or no commit comes within
-    *timeout*); ``abandon()`` undoes them. Raises ApplyError."""
-    return _run_child(plan, pidfd, container, ldconfig, timeout, ahead)
+def start_rootfs_changes(plan: Plan, pidfd: int, container: ContainerRef, *, ldconfig: HostLdconfig,
+                         timeout: float, ahead: ChildForkedAhead | None = None) -> PendingChanges:
+    """Step 2, started: the plan's nodes, mounts, symlinks, /proc mask and ldconfig, made in a child
+    inside the container's mount namespace (*ahead*'s child if given, else a fresh one) while this
+    process goes on (with step 1, on another CPU); ``held()`` waits for them. The child undoes its
+    own changes when one fails, or when this process dies (or abandons them) before they are kept.
+    Raises ApplyError."""
+    return _start_child(plan, pidfd, container, ldconfig, timeout, ahead)
 
 
 def _shared_namespaces(pid: int) -> int:
@@ -221,9 +212,38 @@ def _open_container(pid: int) -> int:
     return pidfd
 
 
-def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: HostLdconfig, timeout: float,
-               ahead: ChildForkedAhead | None) -> RootfsChanges:
-    """Fork (or hand the work to) the child that does the namespace work, and collect its report."""
+@dataclass(frozen=True, slots=True)
+class PendingChanges:
+    """An apply child at work on the rootfs: ``held()`` waits for its report, after which it holds
+    its changes, undoable, until ``commit()`` (and undoes them if this process dies first, or no
+    commit comes within the timeout); ``abandon()`` has it undo whatever it made."""
+
+    child: int
+    read_fd: int
+    channel: _socket.socket
+    container: ContainerRef
+    timeout: float
+    deadline: float
+
+    def held(self) -> RootfsChanges:
+        """The child's report, its changes held; raises its ApplyError (it has undone them then)."""
+        try:
+            report = _collect(self.child, self.read_fd, self.container, self.timeout)
+        except BaseException:
+            self.channel.close()  # nothing to keep: a child still holding changes undoes them
+            raise
+        return RootfsChanges(report, str(self.container.rootfs), self.channel, self.deadline)
+
+    def abandon(self) -> None:
+        """Have the child undo its changes (it sees its channel close once it has made them), and wait
+        until it has exited: nothing of the start is left in the rootfs when this returns."""
+        self.channel.close()
+        wait_child(self.child, self.read_fd, self.timeout)
+
+
+def _start_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: HostLdconfig, timeout: float,
+                 ahead: ChildForkedAhead | None) -> PendingChanges:
+    """Fork (or hand the work to) the child that does the namespace work."""
     deadline = time.monotonic() + timeout
     channel: _socket.socket
     if ahead is not None:
@@ -242,12 +262,7 @@ def _run_child(plan: Plan, pidfd: int, container: ContainerRef, ldconfig: HostLd
             os._exit(_child_main(plan, pidfd, container, ldconfig, timeout, write_fd, child_channel))
         os.close(write_fd)
         child_channel.close()
-    try:
-        report = _collect(child, read_fd, container, timeout)
-    except BaseException:
-        channel.close()  # nothing to keep: a child still holding changes undoes them
-        raise
-    return RootfsChanges(report, str(container.rootfs), channel, deadline)
+    return PendingChanges(child, read_fd, channel, container, timeout, deadline)
 
 
 def _collect(child: int, read_fd: int, container: ContainerRef, timeout: float) -> ApplyReport:
