@@ -46,9 +46,10 @@ def update(state_dir: Path, change: Callable[[Ledger], tuple[Ledger, T]]) -> T:
             ledger = _read(dir_fd, state_dir)
             after, result = change(ledger)
             if after != ledger:
-                # indent=1 writes `"container_id": "ID"`, the bytes hookcall.lease_may_exist looks for
+                # json's default separators write `"container_id": "ID"`, the bytes hookcall.lease_may_exist
+                # looks for; without indent its C encoder writes them (an indent takes the pure-Python one)
                 try:
-                    replace_at(dir_fd, LEDGER, json.dumps(to_object(after), indent=1).encode() + b"\n", mode=0o600)
+                    replace_at(dir_fd, LEDGER, json.dumps(to_object(after)).encode() + b"\n", mode=0o600)
                 except OSError as err:
                     raise StateError(f"cannot write {state_dir / LEDGER}: {err.strerror or err}") from err
             return result
