@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 
 #: Workers kept forked and idle; more absorb a burst of container starts.
 SPARE_WORKERS = 2
-#: The most workers at once: idle, preparing and serving (each maps ~20 MiB, mostly shared with the daemon;
-#: ~8 MiB of its own once it has copied in the pages a start writes).
+#: The most workers at once: idle, preparing and serving (each maps ~22 MiB, mostly shared with the daemon;
+#: ~7 MiB of its own, and its apply child ~6, once they have copied in the pages a start writes).
 MAX_WORKERS = 32
 IDLE_NICE = 19
 BUSY, IDLE, DONE, RETIRE = b"b", b"i", b"x", b"r"
