@@ -16,9 +16,9 @@ Two steps, which ``gpuhook.service`` runs at once, the child's started first, on
 The child reports back over a pipe as JSON; the parent turns a failure into
 an ``ApplyError`` naming the step and path. A child that made its changes then holds them,
 undoable, until the parent commits them (``RootfsChanges.commit``: one byte, and one back near
-the deadline); if the parent dies first (a runtime's hook timeout, gpuhookd's request alarm, SIGKILL), its end
-of their channel closes and the child undoes every change itself before it exits: the child
-does not die with its parent, so a killed hook leaves the rootfs as it was.
+the deadline); if the parent dies first (a runtime's hook timeout, gpuhookd's request alarm,
+SIGKILL), its end of their channel closes and the child undoes every change itself before it
+exits: the child does not die with its parent, so a killed hook leaves the rootfs as it was.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def handle(conn: socket.socket, *, request_timeout: float, config: OwnConfig) ->
         _close_all(fds)
         raise
     if isinstance(reply, HookWork):
-        # it owns the fds now
+        # the work owns the fds now
         return dataclasses.replace(reply, received=received, triaged=time.monotonic(), faults=faults)
     _close_all(fds)
     _answer(conn, reply)
