@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ChildAhead", "ChildForkedAhead", "Container", "Placement", "check_ldconfig", "discover_uncached",
     "enter_hook_view", "fork_apply_ahead", "host_inventory", "load_settings", "prepare_daemon", "prepare_worker",
-    "render_cdi", "render_plan", "render_spec_edit",
+    "render_cdi", "render_plan", "render_spec_edit", "replace_spec",
     "request_for", "start", "start_configure", "start_hook", "stop", "update_ldcache_in", "writes_ldcache_itself",
 ]
 
@@ -704,12 +704,13 @@ def edit_runtime_bundle(settings: Callable[[], Config], config_arg: str | None, 
     edited = render_spec_edit(config, raw, spec, hook_follows=True)
     # The hooks go in whenever a GPU is asked for: the prestart one takes the lease (and places a
     # count=N request, which the spec edit leaves to it), the poststop one gives it back.
-    _replace_spec(bundle, add_hooks(dict(edited), config_arg, relay, socket), root_fd)
+    replace_spec(bundle, add_hooks(dict(edited), config_arg, relay, socket), root_fd)
     return True
 
 
-def _replace_spec(bundle: Path, spec: Mapping[str, Any], root_fd: int | None) -> None:
-    """``<bundle>/config.json`` replaced atomically (same directory, same mode): a runtime never reads half a spec."""
+def replace_spec(bundle: Path, spec: Mapping[str, Any], root_fd: int | None = None) -> None:
+    """``<bundle>/config.json`` replaced atomically (same directory, same mode): a runtime never reads half a
+    spec. *root_fd*: *bundle* resolved from this root (gpuhookd: the caller's)."""
     import json
 
     from gpuhook.sys import pathrs

@@ -13,14 +13,11 @@ import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from gpuhook import service
-from gpuhook.errors import SpecError
 from gpuhook.hookcall import read_bounded, read_config_json
 from gpuhook.oci import strictjson
 from gpuhook.oci.spec import SPEC_LIMIT, parse_spec, spec_from_object
-from gpuhook.sys import files
 
 
 def run_spec_edit(config_arg: str | None, debug: bool, bundle_arg: str, env: Mapping[str, str]) -> int:
@@ -31,16 +28,8 @@ def run_spec_edit(config_arg: str | None, debug: bool, bundle_arg: str, env: Map
     raw = strictjson.loads_object(read_config_json(str(bundle), limit=SPEC_LIMIT), what=str(path), limit=SPEC_LIMIT)
     edited = service.render_spec_edit(config, raw, spec_from_object(raw, bundle))
     if edited is not raw:
-        write_spec(path, edited)
+        service.replace_spec(bundle, edited)
     return 0
-
-
-def write_spec(path: Path, spec: Mapping[str, Any]) -> None:
-    """Replace *path* atomically (same directory, same mode): a runtime never reads half a spec."""
-    try:
-        files.replace_file(path, json.dumps(spec).encode(), mode=path.stat().st_mode & 0o7777)
-    except OSError as err:
-        raise SpecError(f"cannot write {path}: {err.strerror or err}") from err
 
 
 def run_precreate(config_arg: str | None, debug: bool, stdin_fd: int, env: Mapping[str, str]) -> int:
