@@ -62,7 +62,7 @@ from integration.fakehost import FakeHost, create_host
 from integration.gpuhookd import Gpuhookd
 from integration.relay import install_relay, relay_for, runtime_for
 from integration.rootfs import build_rootfs, copy_rootfs
-from integration.scratchfs import scratch_filesystem
+from integration.scratchfs import scratch_filesystem, unmount
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / ".cache" / "bench" / "results.json"
@@ -615,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the benchmark makes device nodes and runs runc: run it as root (make bench)", file=sys.stderr)
         return 1
+    unmount(WORK / "scratch")  # a killed run's, before its tree goes
     shutil.rmtree(WORK, ignore_errors=True)
     shutil.rmtree(STATE_TMPFS, ignore_errors=True)
     WORK.mkdir(parents=True)

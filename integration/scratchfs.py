@@ -24,6 +24,7 @@ IMAGE_SIZE = "256M"
 def scratch_filesystem(mountpoint: Path, image: Path) -> Iterator[str]:
     """Mount a fresh journaled ext4 (its image file *image*, on tmpfs) at *mountpoint*, else a tmpfs; yields
     which one it is, in words; unmounted and removed on exit."""
+    unmount(mountpoint)  # one a killed run left
     mountpoint.mkdir(parents=True, exist_ok=True)
     what = _mount_ext4(mountpoint, image)
     if what is None:
@@ -32,10 +33,15 @@ def scratch_filesystem(mountpoint: Path, image: Path) -> Iterator[str]:
     try:
         yield what
     finally:
-        subprocess.run(["umount", str(mountpoint)], check=False, capture_output=True)
+        unmount(mountpoint)
         image.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             mountpoint.rmdir()
+
+
+def unmount(mountpoint: Path) -> None:
+    """Detach whatever is mounted at *mountpoint* (nothing: nothing happens); its loop device goes with it."""
+    subprocess.run(["umount", "--lazy", str(mountpoint)], check=False, capture_output=True)
 
 
 def _mount_ext4(mountpoint: Path, image: Path) -> str | None:
