@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from gpuhook.errors import ConfigError
 from gpuhook.hookcall import DEFAULT_STATE_DIR
 from gpuhook.planning.health import HealthPolicy
 from gpuhook.request.model import ALL_CAPABILITIES, Capability
-from gpuhook.sharing.policy import NO_POLICY, Policy, decode_device_file, decode_gpus
+from gpuhook.sharing.policy import NO_POLICY, Policy, Sharing, decode_device_file, decode_gpus
 
 if TYPE_CHECKING:  # nvidia_config (and tomllib) are imported only when a config.toml is read
     from gpuhook.nvidia_config import Notice
@@ -227,7 +228,21 @@ def build_config(data: Mapping[str, Any], *, source: str) -> Config:
     if config.state_dir is None and not config.gpus.is_unlimited:
         raise ConfigError(f"{source}: state_dir is null, but the sharing policy ({config.gpus.source}) limits GPUs, "
                           "which needs the lease ledger there; set state_dir (default /run/gpuhook)")
+    if config.state_dir is not None and any(p.sharing is Sharing.MPS
+                                            for p in (*config.gpus.entries, config.gpus.default)):
+        _refuse_state_dir_in_dev_shm(config.state_dir, config.gpus.source, source)
     return config
+
+
+def _refuse_state_dir_in_dev_shm(state_dir: Path, policy: str, source: str) -> None:
+    """An MPS daemon's /dev/shm is its own directory under state_dir: a state_dir in /dev/shm would be hidden
+    from the daemon by that very mount (its pipe directory with it), and the daemon would never answer."""
+    real = os.path.realpath(state_dir)
+    if real == "/dev/shm" or real.startswith("/dev/shm/"):
+        raise ConfigError(f"{source}: state_dir {str(state_dir)!r} is in /dev/shm ({real}), but the sharing policy "
+                          f"({policy}) shares a GPU through MPS, whose daemon gets a /dev/shm of its own there, which "
+                          "would hide its pipe directory from it. Fix: set state_dir outside /dev/shm "
+                          "(default /run/gpuhook)")
 
 
 def load_device_policy(path: Path) -> Policy:
@@ -277,8 +292,10 @@ def parse_flat_yaml(text: str) -> Any:
     JSON-style strings), so simple quoted strings are read here too.
     """
     data: dict[str, Any] = {}
-    for line in text.splitlines():
-        stripped = line.strip()
+    # Only "\n" ends a line and only spaces indent a comment here: other line breaks (PyYAML reads "\r" as
+    # one, str.splitlines many more) and tabs go to PyYAML, which may refuse them.
+    for line in text.split("\n"):
+        stripped = line.lstrip(" ")
         if not stripped or stripped.startswith("#"):
             continue
         match = _LINE.fullmatch(line)

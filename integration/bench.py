@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import contextlib
 import datetime
 import json
 import math
@@ -51,7 +52,7 @@ import subprocess
 import sys
 import threading
 import venv
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -62,13 +63,15 @@ from integration.fakehost import FakeHost, create_host
 from integration.gpuhookd import Gpuhookd
 from integration.relay import install_relay, relay_for, runtime_for
 from integration.rootfs import build_rootfs, copy_rootfs
-from integration.scratchfs import scratch_filesystem, unmount
+from integration.scratchfs import scratch_filesystem, tmpfs, unmount
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / ".cache" / "bench" / "results.json"
 LAUNCHER = REPO / "packaging" / "gpuhook-hook"
 WORK = REPO / ".cache" / "bench" / "work"
-STATE_TMPFS = Path("/dev/shm/gpuhook-bench")
+#: the ledgers' state dirs, on a tmpfs of their own, as /run is on a real host (on this VM's ext4 each journaled
+#: rename costs ~1 ms); not in /dev/shm, which an MPS daemon gets replaced by its own
+STATE_TMPFS = Path("/run/gpuhook-bench")
 SCRATCH_IMAGE = Path("/dev/shm/gpuhook-bench-rootfs.img")
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
 COMPUTE = "compute,utility"
@@ -114,6 +117,9 @@ class Scenario:
     wrapper: Path | None = None
     #: the hook's environment beyond PATH
     hook_env: tuple[str, ...] = ()
+    #: a container asking for the same GPUs keeps running through all the runs (started before them,
+    #: deleted after), so each run is its GPU's second client (an MPS daemon already up)
+    held: bool = False
 
 
 @dataclass(slots=True)
@@ -144,11 +150,11 @@ def install_hook(dest: Path) -> Path:
     return dest / "bin" / "python"
 
 
-def write_config(path: Path, host: FakeHost, *, cache: bool, leases: bool = True, metrics: str | None = None) -> Path:
+def write_config(path: Path, host: FakeHost, *, cache: bool, leases: bool = True, metrics: str | None = None,
+                 gpus: Sequence[dict[str, Any]] = ()) -> Path:
     """A production-like config for *host*: info-level log, cache and lease ledger in the host's /run (or none),
-    gpuhookd's metrics endpoint on *metrics* (HOST:PORT) or none."""
+    gpuhookd's metrics endpoint on *metrics* (HOST:PORT) or none, the per-GPU sharing policy *gpus* (or none)."""
     cache_dir = json.dumps(str(host.root / "run" / "gpuhook")) if cache else "null"
-    # The ledger on tmpfs, as /run is on a real host (on this VM's ext4 each journaled rename costs ~1 ms).
     state_dir = json.dumps(str(STATE_TMPFS / path.stem)) if leases else "null"
     path.write_text(
         f"driver_root: {json.dumps(str(host.root))}\n"
@@ -159,6 +165,7 @@ def write_config(path: Path, host: FakeHost, *, cache: bool, leases: bool = True
         f"cache_dir: {cache_dir}\n"
         f"state_dir: {state_dir}\n"
         + (f"metrics_listen: {metrics}\n" if metrics else "")
+        + (f"gpus: {json.dumps(list(gpus))}\n" if gpus else "")  # JSON is YAML too
     )
     return path
 
@@ -184,8 +191,10 @@ def static_floor(python: Path, config: Path, env: Sequence[str], rootfs_src: Pat
     }
 
 
-def make_spec(scenario: Scenario, wrapper: tuple[str, ...] = ()) -> dict[str, Any]:
-    """config.json for one run of *scenario* (*wrapper*: argv that starts the hook instrumented)."""
+def make_spec(scenario: Scenario, wrapper: tuple[str, ...] = (),
+              process: Sequence[str] = ("/bin/true",)) -> dict[str, Any]:
+    """config.json for one run of *scenario* (*wrapper*: argv that starts the hook instrumented), running
+    *process*."""
     hooks = None
     if scenario.hook_argv is not None:
         args = [*wrapper, *scenario.hook_argv]
@@ -194,7 +203,7 @@ def make_spec(scenario: Scenario, wrapper: tuple[str, ...] = ()) -> dict[str, An
         if scenario.poststop:
             stop = [*scenario.hook_argv[:-1], "poststop"]
             hooks["poststop"] = [{"path": stop[0], "args": stop, "env": env}]
-    spec = default_spec("rootfs", ["/bin/true"], list(scenario.env), hooks=hooks, annotations={})
+    spec = default_spec("rootfs", list(process), list(scenario.env), hooks=hooks, annotations={})
     if scenario.static is not None:
         spec["linux"]["devices"] = scenario.static["devices"]
         spec["linux"]["resources"]["devices"] += scenario.static["rules"]
@@ -239,11 +248,15 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
     a100 = create_host(work / "a100", gpus=1, model="NVIDIA A100-SXM4-40GB", mig={0: ()})
     # MIG mode with an instance made beforehand (by an admin or mig-parted): a start just uses it
     a100_made = create_host(work / "a100-made", gpus=1, model="NVIDIA A100-SXM4-40GB", mig={0: ("1g.5gb",)})
+    # sharing: mps, so that gpuhook runs the GPU's MPS control daemon (the simulated host's) for its clients
+    mps_host = create_host(work / "mps", gpus=1)
     configs = work / "configs"
     configs.mkdir()
     cfg = {n: write_config(configs / f"host{n}.yaml", h, cache=True) for n, h in hosts.items()}
     mig_cfg = write_config(configs / "a100-mig.yaml", a100, cache=True)
     made_cfg = write_config(configs / "a100-made.yaml", a100_made, cache=True)
+    mps_cfg = write_config(configs / "mps.yaml", mps_host, cache=True,
+                           gpus=[{"device": 0, "sharing": "mps", "replicas": 2}])
     no_cache = write_config(configs / "host8-nocache.yaml", hosts[8], cache=False)
     no_leases = write_config(configs / "host8-noleases.yaml", hosts[8], cache=True, leases=False)
     with_metrics = write_config(configs / "host8-metrics.yaml", hosts[8], cache=True, metrics=METRICS_ADDRESS)
@@ -294,6 +307,10 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
         Scenario("mig-existing", "hook, an existing MIG device (0:0, a 1g.5gb instance) of an A100-40GB in MIG mode, "
                  "compute,utility", a100_made, ("NVIDIA_VISIBLE_DEVICES=0:0", f"NVIDIA_DRIVER_CAPABILITIES={COMPUTE}"),
                  hook(made_cfg), cached=True),
+        Scenario("mps-client", "hook for prestart and poststop, an MPS client: the second container of a GPU with "
+                 "sharing: mps (replicas 2; a holder keeps its daemon up), compute,utility", mps_host,
+                 ("NVIDIA_VISIBLE_DEVICES=0", f"NVIDIA_DRIVER_CAPABILITIES={COMPUTE}"), hook(mps_cfg), cached=True,
+                 poststop=True, held=True),
         Scenario("ctr-gpu8", "ctr run --gpus 0..7 (containerd oci-hook → nvidia-container-cli configure, served by "
                  "gpuhookd), compute,utility", hosts[8], hook_argv=ctr_hook(cfg[8]),
                  hook_env=(f"GPUHOOK_CONFIG={cfg[8]}",), cached=True),
@@ -355,6 +372,8 @@ def _logged_timings(log: Path | None, offset: int) -> dict[str, float]:
             out["discovery_ms"] = event["ms"]
         elif event.get("event") == "lease_reserved":
             out["lease_ms"] = event["ms"]
+        elif event.get("event") == "mps_daemon":
+            out["mps_daemon_pid"] = event["pid"]
         elif event.get("event") == "mig_created":
             out["mig_ms"] = event["ms"]
         elif event.get("event") == "applied":
@@ -374,6 +393,48 @@ def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work:
     container in *bundle* (on the scratch filesystem)."""
     samples = {s.name: Samples() for s in scenarios}
     specs = {s.name: make_spec(s) for s in scenarios}
+    with contextlib.ExitStack() as holders:
+        for scenario in scenarios:
+            if scenario.held:
+                holders.enter_context(holding(scenario, rootfs_src, work / f"holder-{scenario.name}"))
+        _timed_rounds(scenarios, specs, samples, rootfs_src, runs, bundle)
+        _instrumented_runs(scenarios, samples, python, rootfs_src, work, bundle)
+    for scenario in scenarios:
+        daemons = {logged.get("mps_daemon_pid") for logged in samples[scenario.name].log_ms}
+        if scenario.held and len(daemons) != 1:  # what the row is for: a start that finds its daemon up
+            raise BenchError(f"{scenario.name}: its runs were served by MPS daemons {sorted(map(str, daemons))}, "
+                             "not by the one its holder started")
+    return samples
+
+
+@contextlib.contextmanager
+def holding(scenario: Scenario, rootfs_src: Path, bundle: Path) -> Iterator[None]:
+    """A container asking what *scenario* asks, through its hooks, kept running (``runc run -d`` of a
+    ``sleep``) for the duration; deleted after (its poststop hook releases what it held)."""
+    copy_rootfs(rootfs_src, bundle / "rootfs")
+    write_bundle(bundle, make_spec(scenario, process=("/bin/sleep", "100000")))
+    container_id = unique_id("bench-holder")
+    runc = require_tool("runc")
+    # stderr to a file: the detached container inherits it, and a pipe would never reach its end
+    with (bundle / "runc.err").open("w+") as stderr:
+        started = subprocess.run([runc, "run", "-d", "--bundle", str(bundle), container_id], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=stderr, timeout=30, check=False)
+        stderr.seek(0)
+        error = stderr.read().strip()
+    try:
+        if started.returncode != 0:
+            raise BenchError(f"{scenario.name}: its holder did not start ({started.returncode}): {error}")
+        yield
+    finally:
+        deleted = subprocess.run([runc, "delete", "--force", container_id], stdin=subprocess.DEVNULL,
+                                 capture_output=True, text=True, timeout=30, check=False)
+        shutil.rmtree(bundle, ignore_errors=True)
+    if deleted.returncode != 0:
+        raise BenchError(f"{scenario.name}: runc delete of its holder failed: {deleted.stderr.strip()}")
+
+
+def _timed_rounds(scenarios: Sequence[Scenario], specs: dict[str, dict[str, Any]], samples: dict[str, Samples],
+                  rootfs_src: Path, runs: int, bundle: Path) -> None:
     for round_no in range(runs + 1):
         # Round-robin, starting one scenario later each round, so none always follows the same one.
         for k in range(len(scenarios)):
@@ -385,6 +446,10 @@ def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work:
                 if logged:
                     samples[scenario.name].log_ms.append(logged)
         print(f"  round {round_no}/{runs} done", file=sys.stderr, flush=True)
+
+
+def _instrumented_runs(scenarios: Sequence[Scenario], samples: dict[str, Samples], python: Path, rootfs_src: Path,
+                       work: Path, bundle: Path) -> None:
     wrapper_py = work / "hookstat.py"
     wrapper_py.write_text(_WRAPPER)
     for scenario in scenarios:
@@ -400,7 +465,6 @@ def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work:
             samples[scenario.name].maxrss_kib.append(stat["maxrss_kib"])
             if served_ms is not None:  # the same run's two sides: what the relay adds to the daemon's work
                 samples[scenario.name].outside_ms.append(stat["wall_ms"] - served_ms)
-    return samples
 
 
 # --- reporting ------------------------------------------------------------------------------------
@@ -479,6 +543,8 @@ def check_targets(results: dict[str, dict[str, Any]], docker: dict[str, Any]) ->
         ("a lease adds ≤ 2 ms (reserving it, 8 GPUs)", in_hook("gpu8", "lease_ms"), 2.0),
         ("an existing MIG device adds ≤ 2 ms to a 1-GPU start (the starts' time in gpuhookd)",
          round(in_hook("mig-existing") - in_hook("gpu1"), 2), 2.0),
+        ("an MPS client adds ≤ 2 ms to a 1-GPU start (its GPU's daemon up; the starts' time in gpuhookd)",
+         round(in_hook("mps-client") - in_hook("gpu1"), 2), 2.0),
         ("peak RSS of the hook and of gpuhookd's worker ≤ 30 MiB", rss, 30.0),
         ("NVML calls per start with a valid cache = 0", cached_calls, 0),
     ]
@@ -617,36 +683,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     unmount(WORK / "scratch")  # a killed run's, before its tree goes
     shutil.rmtree(WORK, ignore_errors=True)
-    shutil.rmtree(STATE_TMPFS, ignore_errors=True)
     WORK.mkdir(parents=True)
     print("setting up: rootfs, hook install, simulated hosts with 1, 8 and 64 GPUs", file=sys.stderr)
     rootfs_src = build_rootfs(REPO / ".cache" / "rootfs")
     python = install_hook(WORK / "venv")
     relay = install_relay(python.parent, python)
-    daemons: dict[Path, Gpuhookd] = {}
-
-    def daemon_for(config: Path) -> str:
-        # as systemd's gpuhookd.socket would start it, with that host's config
-        if config not in daemons:
-            daemons[config] = Gpuhookd(python, WORK / f"gpuhookd-{config.stem}", config=config)
-        return daemons[config].socket
-
-    try:
-        scenarios = make_scenarios(python, relay, rootfs_src, WORK, daemon_for)
-        print(f"running {len(scenarios)} scenarios × {args.runs} runs, interleaved", file=sys.stderr)
-        stop_scraping = threading.Event()
-        scraper = threading.Thread(target=scrape_every_second, args=(stop_scraping,), daemon=True)
-        scraper.start()
-        try:
-            with scratch_filesystem(WORK / "scratch", SCRATCH_IMAGE) as bundle_fs:
-                print(f"container rootfs copies on {bundle_fs}", file=sys.stderr)
-                samples = measure(scenarios, python, rootfs_src, WORK, args.runs, bundle=WORK / "scratch" / "bundle")
-        finally:
-            stop_scraping.set()
-    finally:
-        journals = [daemon.stop() for daemon in daemons.values()]
-    if any("request failed" in journal for journal in journals):
-        raise BenchError(f"a gpuhookd request failed: {journals}")
+    with tmpfs(STATE_TMPFS):
+        scenarios, samples, bundle_fs = run_scenarios(python, relay, rootfs_src, args.runs)
     results = summarise(scenarios, samples)
     print("docker run --runtime runc / nvidia, interleaved", file=sys.stderr)
     docker = measure_docker(WORK, rootfs_src, runtime_for(relay), args.runs)
@@ -667,8 +710,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(report)
     print(f"\nresults: {args.out}")
     shutil.rmtree(WORK, ignore_errors=True)
-    shutil.rmtree(STATE_TMPFS, ignore_errors=True)
     return 0
+
+
+def run_scenarios(python: Path, relay: Path, rootfs_src: Path, runs: int,
+                  ) -> tuple[list[Scenario], dict[str, Samples], str]:
+    """Every scenario, each config served by its gpuhookd, with *runs* timed runs; the scenarios, what their runs
+    measured, and the filesystem the containers' rootfs copies were on."""
+    daemons: dict[Path, Gpuhookd] = {}
+
+    def daemon_for(config: Path) -> str:
+        # as systemd's gpuhookd.socket would start it, with that host's config
+        if config not in daemons:
+            daemons[config] = Gpuhookd(python, WORK / f"gpuhookd-{config.stem}", config=config)
+        return daemons[config].socket
+
+    try:
+        scenarios = make_scenarios(python, relay, rootfs_src, WORK, daemon_for)
+        print(f"running {len(scenarios)} scenarios × {runs} runs, interleaved", file=sys.stderr)
+        stop_scraping = threading.Event()
+        scraper = threading.Thread(target=scrape_every_second, args=(stop_scraping,), daemon=True)
+        scraper.start()
+        try:
+            with scratch_filesystem(WORK / "scratch", SCRATCH_IMAGE) as bundle_fs:
+                print(f"container rootfs copies on {bundle_fs}", file=sys.stderr)
+                samples = measure(scenarios, python, rootfs_src, WORK, runs, bundle=WORK / "scratch" / "bundle")
+        finally:
+            stop_scraping.set()
+    finally:
+        journals = [daemon.stop() for daemon in daemons.values()]
+    if any("request failed" in journal for journal in journals):
+        raise BenchError(f"a gpuhookd request failed: {journals}")
+    return scenarios, samples, bundle_fs
 
 
 if __name__ == "__main__":

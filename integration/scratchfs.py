@@ -28,7 +28,7 @@ def scratch_filesystem(mountpoint: Path, image: Path) -> Iterator[str]:
     mountpoint.mkdir(parents=True, exist_ok=True)
     what = _mount_ext4(mountpoint, image)
     if what is None:
-        _run("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(mountpoint))
+        _mount_tmpfs(mountpoint)
         what = "tmpfs (no loop device for an ext4)"
     try:
         yield what
@@ -37,6 +37,24 @@ def scratch_filesystem(mountpoint: Path, image: Path) -> Iterator[str]:
         image.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             mountpoint.rmdir()
+
+
+@contextlib.contextmanager
+def tmpfs(mountpoint: Path) -> Iterator[None]:
+    """A fresh tmpfs at *mountpoint*, as a real host's /run is one (this VM's is not); unmounted on exit."""
+    unmount(mountpoint)  # one a killed run left
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    _mount_tmpfs(mountpoint)
+    try:
+        yield
+    finally:
+        unmount(mountpoint)
+        with contextlib.suppress(OSError):
+            mountpoint.rmdir()
+
+
+def _mount_tmpfs(mountpoint: Path) -> None:
+    _run("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(mountpoint))
 
 
 def unmount(mountpoint: Path) -> None:

@@ -107,6 +107,10 @@ def test_flat_subset_reads_like_pyyaml() -> None:
                  "a: 2001-12-14\n", "a: .inf\n", "a: /x # c\n b: 1\n"):
         flat = parse_flat_yaml(text)
         assert flat is not None and (not isinstance(flat, dict) or flat == yaml.safe_load(text)), text
+    for refused in ("_: \r\t#x\n", "\t# c\na: 1\n"):  # PyYAML refuses both: never read as flat
+        with pytest.raises(yaml.YAMLError):
+            yaml.safe_load(refused)
+        assert not isinstance(parse_flat_yaml(refused), dict), refused
 
 
 _KEYS = st.from_regex(r"[a-z_]{1,12}", fullmatch=True)
@@ -171,6 +175,9 @@ def test_gpus_and_device_policy_keys(tmp_path: Path) -> None:
                      r"gpus\[0\]: replicas contradicts sharing 'exclusive'", id="gpus-entry"),
         pytest.param("state_dir: null\ngpus:\n  - {device: 0, sharing: exclusive}\n",
                      "state_dir is null, but the sharing policy", id="state-dir-null-with-limits"),
+        pytest.param("state_dir: /dev/shm/gpuhook\ngpus:\n  - {device: 0, sharing: mps, replicas: 2}\n",
+                     "state_dir '/dev/shm/gpuhook' is in /dev/shm .*shares a GPU through MPS.*Fix: set state_dir "
+                     "outside /dev/shm", id="mps-state-dir-in-dev-shm"),
         pytest.param("device_policy: /x.json\ngpus: []\n", "gpus and device_policy both set a sharing policy",
                      id="both-policies"),
         pytest.param("gpu:\n  - {device: 0}\n", "unknown setting.*gpu;", id="typo"),
@@ -180,3 +187,15 @@ def test_sharing_refusals(text: str, message: str) -> None:
     """The new keys are refused with a message naming the key."""
     with pytest.raises(ConfigError, match=message):
         parse_config(text)
+
+
+def test_a_state_dir_in_dev_shm_is_refused_only_with_mps_and_through_a_symlink_too(tmp_path: Path) -> None:
+    """The MPS daemon's own /dev/shm would hide a state_dir there; other policies keep any state_dir, and a
+    symlink into /dev/shm is what it points to."""
+    assert parse_config("state_dir: /dev/shm/gpuhook\ngpus:\n  - {device: 0, sharing: shared, replicas: 2}\n"
+                        ).state_dir == Path("/dev/shm/gpuhook")
+    assert parse_config("state_dir: /dev/shmx\ngpus:\n  - {device: 0, sharing: mps, replicas: 2}\n").state_dir
+    link = tmp_path / "state"
+    link.symlink_to("/dev/shm")
+    with pytest.raises(ConfigError, match=f"state_dir '{link}' is in /dev/shm \\(/dev/shm\\)"):
+        parse_config(f"state_dir: {link}\ngpus:\n  - {{device: 0, sharing: mps, replicas: 2}}\n")
