@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from gpuhook.sharing.attribution import UsageView
 
     from gpuhook.apply.ahead import ChildAhead
+    from gpuhook.discovery.health import XidLog
     from gpuhook.cdi import Rendered
     from gpuhook.sys.prefault import Learned
 
@@ -70,9 +71,9 @@ if TYPE_CHECKING:
 
 
 __all__ = [
-    "ChildAhead", "ChildForkedAhead", "Container", "Placement", "check_ldconfig", "discover_uncached",
-    "enter_hook_view", "fork_apply_ahead", "host_inventory", "load_settings", "prepare_daemon", "prepare_worker",
-    "render_cdi", "render_plan", "render_spec_edit", "replace_spec",
+    "ChildAhead", "ChildForkedAhead", "Container", "Placement", "XidLog", "check_ldconfig", "discover_uncached",
+    "enter_hook_view", "follow_kernel_log", "fork_apply_ahead", "host_inventory", "load_settings", "prepare_daemon",
+    "prepare_worker", "render_cdi", "render_plan", "render_spec_edit", "replace_spec",
     "request_for", "start", "start_configure", "start_hook", "stop", "update_ldcache_in", "writes_ldcache_itself",
 ]
 
@@ -584,6 +585,20 @@ def prepare_daemon(env: Mapping[str, str]) -> str:
     except GpuHookError as err:
         return f"ldconfig not prepared ({err}); each request copies it"
     return ""
+
+
+def follow_kernel_log(config: Config) -> XidLog | None:
+    """gpuhookd, before it forks its workers: *config*'s kernel log opened for the pool to read each record
+    once (``health.XidLog``), and every start's Xids asked of it; None where there is none to follow (no log,
+    or a simulated host's file): each start then reads the whole log, as the hook does."""
+    from gpuhook.discovery import health
+
+    try:
+        log = health.XidLog(config.dev_root)
+    except (OSError, ValueError):
+        return None
+    health.share(log)
+    return log
 
 
 def prepare_worker(config_path: str, *, required: bool) -> bool:

@@ -47,10 +47,12 @@ import math
 import os
 import platform
 import shutil
+import stat
 import statistics
 import subprocess
 import sys
 import threading
+import time
 import venv
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -579,6 +581,34 @@ def import_profile(python: Path, config: Path, work: Path) -> dict[str, Any]:
     }
 
 
+def kernel_log_profile(work: Path) -> dict[str, Any]:
+    """GPU health's read of this machine's own kernel log (the simulated hosts' dev/kmsg is a small file): whole,
+    as the hook reads it on every GPU start, and as gpuhookd's pool follows it (``health.XidLog``)."""
+    from gpuhook.discovery import health
+
+    root = work / "kernel-log"
+    (root / "dev").mkdir(parents=True)
+    os.mknod(root / "dev" / "kmsg", 0o600 | stat.S_IFCHR, os.makedev(1, 11))  # the kernel's log
+    fd = os.open(root / "dev" / "kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        records = len(health.read_records(fd).splitlines())
+    finally:
+        os.close(fd)
+
+    def median_ms(read: Callable[[], object]) -> float:
+        times = []
+        for _ in range(IMPORTTIME_RUNS * 2):
+            start = time.perf_counter()
+            read()
+            times.append((time.perf_counter() - start) * 1000)
+        return round(statistics.median(times), 3)
+
+    whole = median_ms(lambda: health.read_xids(root))
+    followed = median_ms(health.XidLog(root).read_new)
+    shutil.rmtree(root)
+    return {"records": records, "whole_ms": whole, "followed_ms": followed}
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -668,6 +698,10 @@ def print_report(report: dict[str, Any]) -> None:
           f"{imports['total_self_us'] / 1000:.1f} ms "
           "of their own time (importtime's figures, inflated by its own bookkeeping); the largest:")
     print(", ".join(f"{m['module']} {m['self_us'] / 1000:.1f}" for m in imports["top_self_us"]))
+    log = report["kernel_log"]
+    print(f"\nGPU health on this machine's own kernel log (/dev/kmsg, {log['records']} records): read whole, as the "
+          f"hook does on every GPU start, {log['whole_ms']} ms ({log['whole_ms'] * 1000 / max(log['records'], 1):.1f} "
+          f"µs a record); gpuhookd's pool reads each record once: {log['followed_ms']} ms a start")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -704,6 +738,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "docker_no_gpu": docker,
         "targets": check_targets(results, docker),
         "importtime_no_gpu": imports,
+        "kernel_log": kernel_log_profile(WORK),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from gpuhook import service
 from gpuhook.daemon import server
+from gpuhook.errors import GpuHookError
 from gpuhook.daemon.holders import POLL_SECONDS, HolderWatch
 from gpuhook.daemon.server import OwnConfig, say
 from gpuhook.sys import prefault, process
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from typing import NoReturn
 
-    from gpuhook.service import ChildAhead
+    from gpuhook.service import ChildAhead, XidLog
 
 #: Workers kept forked and idle; more absorb a burst of container starts.
 SPARE_WORKERS = 2
@@ -85,6 +86,7 @@ def serve(listener: socket.socket, *, request_timeout: float, config: OwnConfig,
     holders.refresh(force=True)
     full = False
     learned = prefault.Learned()  # before the forks: every worker and child shares it
+    kernel_log = _kernel_log(config)  # before the forks too: the pool reads each record once
     while True:
         idle = sum(not w.busy and not w.retiring for w in workers.values())
         busy = sum(w.busy for w in workers.values())
@@ -106,14 +108,33 @@ def serve(listener: socket.socket, *, request_timeout: float, config: OwnConfig,
             idle += 1
         full = full and len(workers) >= max_workers
         watched = holders.fds()
-        ready = select.select([*workers, *watched], [], [], POLL_SECONDS if workers else 0.1)[0]
+        logs = [kernel_log.fileno()] if kernel_log is not None else []
+        ready = select.select([*workers, *watched, *logs], [], [], POLL_SECONDS if workers else 0.1)[0]
         ended = False
         for fd in ready:
             if fd in workers:
                 ended |= _note(workers, fd, spares)
+            elif kernel_log is not None and fd == kernel_log.fileno():
+                _read_kernel_log(kernel_log)
             else:
                 holders.exited(fd)
         holders.refresh(force=ended)  # a worker that ended may have taken a lease
+
+
+def _kernel_log(config: OwnConfig) -> XidLog | None:
+    """The kernel log the pool reads once (``service.follow_kernel_log``); None where a config does not load."""
+    try:
+        return service.follow_kernel_log(config.load(False))
+    except GpuHookError:
+        return None
+
+
+def _read_kernel_log(log: XidLog) -> None:
+    """New records in the kernel log: read them now, before the ring overwrites them."""
+    try:
+        log.read_new()
+    except (OSError, ValueError) as err:  # never seen; the starts would still read what is left
+        say(f"cannot read the kernel log: {err}")
 
 
 def _note(workers: dict[int, _Worker], fd: int, spares: int) -> bool:

@@ -46,7 +46,8 @@ def check_health(gpus: tuple[Gpu, ...], live: LiveFacts, policy: HealthPolicy) -
         if policy == HealthPolicy.REFUSE:
             raise UnhealthyGpuError(
                 f"{what} is unhealthy: {'; '.join(found)}. Fix: select another GPU, reset this one "
-                "(nvidia-smi -r) or drain the node; `unhealthy_gpus: warn` lets containers use it anyway"
+                "(nvidia-smi -r) or drain the node; an Xid counts while the kernel log holds it (under gpuhookd, "
+                "until gpuhookd restarts): `unhealthy_gpus: warn` lets containers use it anyway"
             )
         warnings.append(f"{what} is unhealthy, used anyway: {'; '.join(found)}")
     return tuple(warnings)

@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -92,6 +93,30 @@ def test_the_next_workers_copy_in_the_pages_a_gpu_start_wrote(make_container: Ma
     # spare forked then), the rest replacements.
     (worker, child), later = faults[0], faults[1:]
     assert min(w for w, _ in later) < worker / 2 and min(c for _, c in later) < child / 2, faults
+
+
+def test_the_pool_follows_a_kernel_log_that_is_the_kernels(make_container: MakeContainer, host: FakeHost,
+                                                           tmp_path: Path) -> None:
+    """A dev root whose dev/kmsg is the kernel's own log (char 1:11, as on a real host): gpuhookd holds it open
+    (the pool reads each record once, health.XidLog), and a GPU start served by a worker, which asks it,
+    succeeds; the journal says nothing of the log."""
+    kmsg = host.root / "dev" / "kmsg"
+    kmsg.unlink()
+    os.mknod(kmsg, 0o600 | stat.S_IFCHR, os.makedev(1, 11))
+    running = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=host.config_path)
+    try:
+        assert str(kmsg) in _open_files(running.proc.pid)
+        hook = hook_entry(host.config_path, "--daemon-socket", running.socket, "prestart")
+        result = make_container("true", TWO_GPUS, hook=hook).run()
+        assert result.returncode == 0, result.stderr
+    finally:
+        journal = running.stop()
+    assert "request failed" not in journal and "kernel log" not in journal, journal
+
+
+def _open_files(pid: int) -> set[str]:
+    fds = Path(f"/proc/{pid}/fd")
+    return {os.readlink(fds / fd) for fd in os.listdir(fds)}
 
 
 def test_the_ldconfig_child_waits_only_where_ldconfig_writes_the_caches(
