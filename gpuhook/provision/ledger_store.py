@@ -102,8 +102,7 @@ def may_name(state_dir: Path, container_id: str) -> bool:
         return False
     except OSError:
         return True
-    with os.fdopen(fd, "rb") as handle:
-        data = handle.read(LIMIT + 1)
+    data = _read_whole(fd)
     return len(data) > LIMIT or ledger_may_name(data, container_id)  # too large: the locked path refuses it
 
 
@@ -150,8 +149,7 @@ def _read(dir_fd: int, state_dir: Path) -> Ledger:
         if isinstance(err.__cause__, FileNotFoundError):
             return Ledger()
         raise
-    with os.fdopen(fd, "rb") as handle:
-        data = handle.read(LIMIT + 1)
+    data = _read_whole(fd)
     source = str(state_dir / LEDGER)
     if len(data) > LIMIT:
         raise StateError(f"{source} is over {LIMIT} bytes; it is not gpuhook's ledger (remove it)")
@@ -160,6 +158,20 @@ def _read(dir_fd: int, state_dir: Path) -> Ledger:
     except ValueError as err:
         raise StateError(f"{source} is not JSON ({err}); remove it to start afresh "
                          "(leases of running containers are then forgotten)") from None
+
+
+def _read_whole(fd: int) -> bytes:
+    """The file *fd* holds, at most LIMIT + 1 bytes (more says: too large), then closed. Its size first: a
+    ``read(LIMIT + 1)`` would allocate the 4 MiB every time (a fifth of a small ledger's read)."""
+    try:
+        want = min(os.fstat(fd).st_size, LIMIT) + 1  # the one byte more: EOF, or a file that grew
+        chunks, got = [], 0
+        while got < want and (chunk := os.read(fd, want - got)):
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _remove_torn(dir_fd: int) -> None:
