@@ -6,10 +6,10 @@ fact (and, with a valid inventory cache, never calls NVML) reads the kernel's
 log instead, through ``<dev_root>/dev/kmsg``. As NVIDIA's device plugin does,
 every Xid counts as critical except those an application causes by itself.
 
-/dev/kmsg hands out one record per read(2): the whole ring buffer costs ~2.4 µs a record
-(measured on the 2-core VM), ~4 ms for a default 128 KiB buffer full of a busy container
-host's lines and ~25 ms for a 1 MiB one, on every GPU start. gpuhookd reads it once instead
-(``XidLog``): each record as it arrives, by whichever process of the pool comes first, the
+/dev/kmsg hands out one record per read(2): the whole ring buffer costs ~2 µs a record
+(``make bench`` times its machine's own log), ~3 ms for a full 128 KiB buffer of a busy
+container host's lines and ~25 ms for a 1 MiB one, on every GPU start. gpuhookd reads it once
+instead (``XidLog``): each record as it arrives, by whichever process of the pool comes first, the
 critical Xids read so far kept where all of them see them.
 """
 
