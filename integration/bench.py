@@ -71,8 +71,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / ".cache" / "bench" / "results.json"
 LAUNCHER = REPO / "packaging" / "gpuhook-hook"
 WORK = REPO / ".cache" / "bench" / "work"
-#: the ledgers' state dirs, on a tmpfs of their own, as /run is on a real host (on this VM's ext4 each journaled
-#: rename costs ~1 ms); not in /dev/shm, which an MPS daemon gets replaced by its own
+#: the ledgers' state dirs, on a tmpfs of their own as /run is on a real host (this VM's /run is its root ext4);
+#: not in /dev/shm, which an MPS daemon gets replaced by its own
 STATE_TMPFS = Path("/run/gpuhook-bench")
 SCRATCH_IMAGE = Path("/dev/shm/gpuhook-bench-rootfs.img")
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
@@ -401,9 +401,9 @@ def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work:
                 holders.enter_context(holding(scenario, rootfs_src, work / f"holder-{scenario.name}"))
         _timed_rounds(scenarios, specs, samples, rootfs_src, runs, bundle)
         _instrumented_runs(scenarios, samples, python, rootfs_src, work, bundle)
-    for scenario in scenarios:
+    for scenario in (s for s in scenarios if s.held):  # what such a row is for: starts that find their daemon up
         daemons = {logged.get("mps_daemon_pid") for logged in samples[scenario.name].log_ms}
-        if scenario.held and len(daemons) != 1:  # what the row is for: a start that finds its daemon up
+        if len(daemons) != 1:
             raise BenchError(f"{scenario.name}: its runs were served by MPS daemons {sorted(map(str, daemons))}, "
                              "not by the one its holder started")
     return samples
@@ -462,11 +462,11 @@ def _instrumented_runs(scenarios: Sequence[Scenario], samples: dict[str, Samples
         served = [run_once(scenario, make_spec(scenario, wrapper), rootfs_src, bundle)[2].get("served_ms")
                   for _ in range(INSTRUMENTED_RUNS)]
         for line, served_ms in zip(record.read_text().splitlines(), served, strict=True):
-            stat = json.loads(line)
-            samples[scenario.name].hook_ms.append(stat["wall_ms"])
-            samples[scenario.name].maxrss_kib.append(stat["maxrss_kib"])
+            measured = json.loads(line)
+            samples[scenario.name].hook_ms.append(measured["wall_ms"])
+            samples[scenario.name].maxrss_kib.append(measured["maxrss_kib"])
             if served_ms is not None:  # the same run's two sides: what the relay adds to the daemon's work
-                samples[scenario.name].outside_ms.append(stat["wall_ms"] - served_ms)
+                samples[scenario.name].outside_ms.append(measured["wall_ms"] - served_ms)
 
 
 # --- reporting ------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def serve(listener: socket.socket, *, request_timeout: float, config: OwnConfig,
             if fd in workers:
                 ended |= _note(workers, fd, spares)
             elif kernel_log is not None and fd == kernel_log.fileno():
-                _read_kernel_log(kernel_log)
+                kernel_log = _read_kernel_log(kernel_log)
             else:
                 holders.exited(fd)
         holders.refresh(force=ended)  # a worker that ended may have taken a lease
@@ -129,12 +129,15 @@ def _kernel_log(config: OwnConfig) -> XidLog | None:
         return None
 
 
-def _read_kernel_log(log: XidLog) -> None:
-    """New records in the kernel log: read them now, before the ring overwrites them."""
+def _read_kernel_log(log: XidLog) -> XidLog | None:
+    """New records in the kernel log: read them now, before the ring overwrites them; the log to go on
+    following, or None after an error (never seen; said once: the starts then read the whole log)."""
     try:
         log.read_new()
-    except (OSError, ValueError) as err:  # never seen; the starts would still read what is left
-        say(f"cannot read the kernel log: {err}")
+    except (OSError, ValueError) as err:
+        say(f"cannot read the kernel log, no longer followed: {err}")
+        return None
+    return log
 
 
 def _note(workers: dict[int, _Worker], fd: int, spares: int) -> bool:

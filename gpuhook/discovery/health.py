@@ -15,6 +15,7 @@ critical Xids read so far kept where all of them see them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -44,7 +45,8 @@ def read_xids(dev_root: Path) -> tuple[tuple[str, int], ...]:
     """Critical Xids in ``<dev_root>/dev/kmsg``: those the pool's ``XidLog`` has read, else the whole ring
     buffer's (bounded in size)."""
     if _shared is not None and _shared.dev_root == dev_root:
-        return _shared.read_new()
+        with contextlib.suppress(OSError, ValueError):  # never seen: then the log is read whole, as by a hook
+            return _shared.read_new()
     try:
         fd = os.open(dev_root / "dev" / "kmsg", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -105,12 +107,13 @@ class XidLog:
 
     def read_new(self) -> tuple[tuple[str, int], ...]:
         """Read the records that came since the last read (by any process of the pool); every critical Xid read
-        so far, in the order first read."""
+        so far, in the order first read. Raises OSError (ValueError for a state no process wrote)."""
         import fcntl  # gpuhookd only: a hook reads the whole log
 
         fcntl.lockf(self._state, fcntl.LOCK_EX)
         try:
-            known = [(bus, xid) for bus, xid in json.loads(os.pread(self._state, _MAX_LOG, 0) or b"[]")]
+            stored = os.pread(self._state, os.fstat(self._state).st_size, 0)
+            known = [(bus, xid) for bus, xid in json.loads(stored or b"[]")]
             new = read_records(self._log)
             if not new:
                 return tuple(known)

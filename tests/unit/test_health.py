@@ -108,11 +108,16 @@ def test_the_pool_reads_each_record_once_and_every_process_sees_every_xid(kernel
 
 
 def test_read_xids_asks_the_shared_log_of_its_dev_root_only(kernel_log_root: Path, tmp_path: Path) -> None:
-    """Shared (as gpuhookd does), the log answers for its dev_root; any other dev_root's log is read whole; a
-    regular file (a simulated host's) is no log to follow."""
+    """Shared (as gpuhookd does), the log answers for its dev_root, and where it fails the ring is read whole;
+    any other dev_root's log is read whole; a regular file (a simulated host's) is no log to follow."""
     bus = _log_xid(79)
-    health.share(health.XidLog(kernel_log_root))
+    log = health.XidLog(kernel_log_root)
+    health.share(log)
     assert (bus, 79) in read_xids(kernel_log_root)
+    os.close(log.fileno())  # a log that cannot be read any more: the start reads the whole ring instead
+    assert (bus, 79) in read_xids(kernel_log_root)
+    with pytest.raises(OSError):
+        log.read_new()
     simulated = tmp_path / "simulated"
     (simulated / "dev").mkdir(parents=True)
     (simulated / "dev" / "kmsg").write_text(LOG)
