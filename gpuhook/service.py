@@ -176,14 +176,16 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
             if (ungrant := grant_device_access(plan, ref.pid)) is not None:
                 undo.callback(ungrant)
             profile["cgroup"] = _ms(step)
+            if holder is not None and config.state_dir is not None:
+                # Active once its devices are granted, while the child still works (off the start's path): a
+                # start that fails after this drops the lease all the same (the undo above).
+                leases.activate(config.state_dir, container.id, holder)
         except BaseException:
             pending.abandon()
             raise
         changes = pending.held()
         changes.commit()
         report = changes.report
-        if holder is not None and config.state_dir is not None:
-            leases.activate(config.state_dir, container.id, holder)
         undo.pop_all()  # the start holds: keep every effect
     for what in report.skipped:
         log.warning("apply_skipped", what=what)

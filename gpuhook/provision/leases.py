@@ -82,7 +82,7 @@ def take(state_dir: Path, request: GpuRequest, inventory: Inventory, policies: M
 
 
 def activate(state_dir: Path, container_id: str, holder: Holder) -> None:
-    """The start held: its reservation becomes an active lease."""
+    """The container's devices are granted: its reservation becomes an active lease."""
     ledger_store.update(state_dir, lambda ledger: (ledger.activate(container_id, holder), None))
 
 

@@ -33,7 +33,8 @@ class LeaseState(enum.StrEnum):
 
     #: taken under the lock before the container is changed: the start is under way
     RESERVED = "reserved"
-    #: the start held: the container runs with these devices
+    #: the container's cgroup allows these devices: its start held, or is finishing its rootfs (a start that
+    #: fails after drops the lease)
     ACTIVE = "active"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +84,17 @@ def test_cgroup_write_refused_is_rolled_back(rig: Rig, gpu_denying_parent: str) 
     assert "cgroup" in outcome.hook_error and EPERM in outcome.hook_error, outcome.hook_error
     assert (CGROUP_ROOT / "devices" / gpu_denying_parent / "devices.list").read_text() == parent_rules
     assert not (CGROUP_ROOT / "devices" / gpu_denying_parent / "ctr").exists()
+
+
+def test_a_start_failing_after_its_lease_went_active_gives_it_back(rig: Rig, progs: Progs,
+                                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """GPU 0 exclusive: the lease goes active once the device cgroup is granted, while the apply child works;
+    the child's last step (ldconfig) then fails: refused, the rootfs as before, and no lease left."""
+    state_dir = tmp_path_factory.mktemp("leases") / "state"  # outside the tree the rig's oracles watch
+    config = rig.config(ldconfig=progs.exit1, state_dir=state_dir, gpus=[{"device": 0, "sharing": "exclusive"}])
+    outcome = run_rolled_back(rig, config=config)
+    assert outcome.hook_error.startswith("gpuhook: ldconfig"), outcome.hook_error
+    assert json.loads((state_dir / "leases.json").read_text())["leases"] == []
 
 
 def test_failing_ldconfig_is_rolled_back(rig: Rig, progs: Progs) -> None:
