@@ -636,9 +636,11 @@ def _warm_plan(config: Config, inventory: Inventory) -> None:
     machine = os.uname().machine
     target = Target(libs_dir=libs_dir(debian_like=True, machine=machine),
                     libs32_dir=libs32_dir(debian_like=True, machine=machine), unhealthy_gpus=HealthPolicy.IGNORE)
-    live = read_live(config, LiveNeeds())
-    make_plan(GpuRequest(all_devices=True, devices=(), capabilities=ALL_CAPABILITIES),
-              narrow_to_live(inventory, live), live, target)
+    request = GpuRequest(all_devices=True, devices=(), capabilities=ALL_CAPABILITIES)
+    # What such a plan reads live: on a host in MIG mode, the layout and caps nodes too ("all" selects every
+    # MIG device; without them the plan refused, and the MIG path stayed cold)
+    live = read_live(config, live_needs(request, target))
+    make_plan(request, narrow_to_live(inventory, live), live, target)
 
 
 def fork_apply_ahead(*, priority: int, close: Sequence[int] = (), ldconfig_ahead: bool = True,
