@@ -101,16 +101,21 @@ def test_the_pool_follows_a_kernel_log_that_is_the_kernels(make_container: MakeC
     (the pool reads each record once, health.XidLog), and a GPU start served by a worker, which asks it,
     succeeds; the journal says nothing of the log."""
     kmsg = host.root / "dev" / "kmsg"
+    simulated = kmsg.read_bytes()
     kmsg.unlink()
     os.mknod(kmsg, 0o600 | stat.S_IFCHR, os.makedev(1, 11))
-    running = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=host.config_path)
     try:
-        assert str(kmsg) in _open_files(running.proc.pid)
-        hook = hook_entry(host.config_path, "--daemon-socket", running.socket, "prestart")
-        result = make_container("true", TWO_GPUS, hook=hook).run()
-        assert result.returncode == 0, result.stderr
-    finally:
-        journal = running.stop()
+        running = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=host.config_path)
+        try:
+            assert str(kmsg) in _open_files(running.proc.pid)
+            hook = hook_entry(host.config_path, "--daemon-socket", running.socket, "prestart")
+            result = make_container("true", TWO_GPUS, hook=hook).run()
+            assert result.returncode == 0, result.stderr
+        finally:
+            journal = running.stop()
+    finally:  # the host is the session's: its simulated log back
+        kmsg.unlink()
+        kmsg.write_bytes(simulated)
     assert "request failed" not in journal and "kernel log" not in journal, journal
 
 
