@@ -30,8 +30,8 @@ from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
 from gpuhook import catalog
-from gpuhook.apply import (ChildForkedAhead, ContainerRef, HostLdconfig, grant_device_access, start_rootfs_changes,
-                           opened_container)
+from gpuhook.apply import (ChildForkedAhead, ContainerRef, HostLdconfig, grant_device_access, hint_rootfs,
+                           opened_container, start_rootfs_changes)
 from gpuhook.config import Config, HealthPolicy, load_config, read_config, resolve_config_path
 from gpuhook.discovery import Found, Outcome, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
@@ -143,6 +143,9 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
     started = time.monotonic() if started is None else started
     log = get_logger()
     target = _target(container.rootfs, config, placement, runtime_devices)
+    if ahead is not None:  # its child reads the image's libraries while this process plans
+        hint_rootfs(ahead, container.rootfs, tuple(d for d in (target.libs_dir, target.libs32_dir) if d),
+                    _host_ldconfig(config))
     step = time.monotonic()
     needs = live_needs(request, target)
     found = inventory_for(config, needs, recorded=_recorded(config) if needs.mig else ())
@@ -195,6 +198,7 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
     # profile `make bench` prints), and the peak memory of this process (not counting the apply child).
     log.info("applied", gpus=list(plan.gpus), ms=_ms(step), total_ms=_ms(started),
              steps_ms={**profile, **dict(report.steps_ms)}, apply_page_faults=report.page_faults,
+             libraries_read=report.libraries_read,
              peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
 
 

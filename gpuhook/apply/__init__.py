@@ -77,6 +77,9 @@ class ApplyReport:
     steps_ms: tuple[tuple[str, float], ...] = ()
     #: the child's page faults over its work (copies of pages it shared with its parent: ``sys.prefault``)
     page_faults: int = 0
+    #: library files gpuhook's cache writer read in the rootfs (the others were read before: the driver's by
+    #: the idle worker, the image's by the apply child's head start); None where ldconfig wrote the cache
+    libraries_read: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +152,42 @@ def fork_apply_child(*, priority: int, close: Sequence[int] = (), ldconfig_ahead
 
     return ChildAhead(_child_from_payload, priority=priority, close=close,
                       prepare=fork_ldconfig_ahead if ldconfig_ahead else None,
-                      learned=(learned, Role.APPLY_CHILD) if learned is not None else None)
+                      learned=(learned, Role.APPLY_CHILD) if learned is not None else None,
+                      hint=_read_image_libraries)
+
+
+def hint_rootfs(ahead: ChildForkedAhead, rootfs: Path, dirs: tuple[str, ...], ldconfig: HostLdconfig) -> None:
+    """gpuhookd, as a start begins: the apply child forked ahead is told the container's rootfs, to read the
+    image's own libraries while the worker finds the devices and makes the plan (where gpuhook writes the
+    cache: the start's cache writer then finds them read). Never fails the start."""
+    if ldconfig.profile is None:
+        return
+    import pickle  # gpuhookd only (preloaded there)
+
+    with contextlib.suppress(OSError):  # a child gone already: the start finds out, and says why
+        ahead.child.hint(pickle.dumps((str(rootfs), dirs, ldconfig.profile)), (ahead.mount_ns_fd, ahead.root_fd))
+
+
+#: the most a head start on the image's libraries may take (the work waits for it): 300 of them take ~25 ms
+_HINT_BUDGET_S = 0.1
+
+
+def _read_image_libraries(payload: bytes, fds: list[int]) -> None:
+    """The apply child's head start (``hint_rootfs``): in the hook's view (*fds*: its mount namespace and root),
+    the libraries the cache writer would look at in the rootfs read (``ldelf.known``: by inode, size and
+    times; a file the container's view shows differently is just read again), nothing changed; an image with
+    so many that ldconfig writes its cache is left alone."""
+    import pickle
+
+    rootfs, dirs, profile = pickle.loads(payload)
+    syscalls.enter_mount_view(*fds)
+    root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        writer = CacheWriter(RootFs(root), dirs, profile, frozenset(), deadline=time.monotonic() + _HINT_BUDGET_S)
+        if writer.library_names() <= MOST_LIBRARIES:
+            writer.read_libraries()
+    finally:
+        os.close(root)
 
 
 @contextmanager
@@ -278,10 +316,11 @@ def _collect(child: int, read_fd: int, container: ContainerRef, timeout: float) 
         report = {"error": ApplyError("apply", str(rootfs), detail=f"garbled report {raw[:200]!r}").to_dict()}
     if "error" in report:
         raise error_from_dict(report["error"])
-    faults = report.get("page_faults")
+    faults, read = report.get("page_faults"), report.get("libraries_read")
     return ApplyReport(skipped=tuple(report["skipped"]), notes=tuple(report.get("notes", ())),
                        steps_ms=tuple(report.get("steps_ms", {}).items()),
-                       page_faults=faults if isinstance(faults, int) else 0)
+                       page_faults=faults if isinstance(faults, int) else 0,
+                       libraries_read=read if isinstance(read, int) else None)
 
 
 def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ahead: ChildAhead | None,
@@ -320,10 +359,11 @@ def _child_main(
                 os.close(fd)
         steps: dict[str, float] = {}
         notes: list[str] = []
-        fs, skipped = _apply_in_container(plan, pidfd, container, ldconfig, timeout, ldconfig_ahead,
-                                          channel.fileno(), steps, notes)
+        fs, skipped, libraries_read = _apply_in_container(plan, pidfd, container, ldconfig, timeout, ldconfig_ahead,
+                                                          channel.fileno(), steps, notes)
         report: dict[str, object] = {"skipped": skipped, "notes": notes, "steps_ms": steps,
-                                     "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}
+                                     "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+                                     "libraries_read": libraries_read}
         status = 0
     except ApplyError as err:
         report = {"error": err.to_dict()}
@@ -368,10 +408,11 @@ def _hold(fs: RootFs, channel: _socket.socket, deadline: float) -> bool:
 def _apply_in_container(
     plan: Plan, pidfd: int, container: ContainerRef, ldconfig: HostLdconfig, timeout: float,
     ldconfig_ahead: ChildAhead | None, abort_fd: int, steps: dict[str, float], notes: list[str],
-) -> tuple[RootFs, list[str]]:
+) -> tuple[RootFs, list[str], int | None]:
     """Open host sources, enter the container, make every change; undo all on failure. *abort_fd*:
     the channel to the parent, whose closing stops a running ldconfig; *steps*: filled with each
-    step's milliseconds; *notes*: filled with what was left as the image has it (no problem)."""
+    step's milliseconds; *notes*: filled with what was left as the image has it (no problem). Returns the
+    rootfs, what was skipped and how many libraries gpuhook's cache writer read (None: it did not write)."""
     clock = [time.monotonic()]
 
     def done(step: str) -> None:
@@ -428,7 +469,7 @@ def _apply_in_container(
         if leftovers and isinstance(err, ApplyError):
             err.detail = f"{err.detail or 'failed'}; could not undo: {'; '.join(leftovers)}"
         raise
-    return fs, skipped
+    return fs, skipped, writer.libraries_read if writer is not None else None
 
 
 def _cache_writer(fs: RootFs, dirs: tuple[str, ...], native: LdconfigProfile, budget: float,

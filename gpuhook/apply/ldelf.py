@@ -104,13 +104,18 @@ def remember(paths: Iterable[Path]) -> None:
         try:
             st = os.fstat(fd)
             if stat.S_ISREG(st.st_mode):
-                info = read_library(fd, st.st_size, os.fsencode(path.name))
-                if info is None or info.flags != FLAG_LIBC4:
-                    _KNOWN[identity(st)] = info
+                keep(st, read_library(fd, st.st_size, os.fsencode(path.name)))
         except OSError:
             pass
         finally:
             os.close(fd)
+
+
+def keep(st: os.stat_result, info: LibraryInfo | None) -> None:
+    """Remember what ``read_library`` said of the file *st* is, for ``known`` (not of an a.out library, whose
+    SONAME comes from the name it was read under)."""
+    if info is None or info.flags != FLAG_LIBC4:
+        _KNOWN[identity(st)] = info
 
 
 class _TruncatedError(Exception):

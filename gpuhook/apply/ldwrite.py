@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from gpuhook.apply.ldelf import (FLAG_ELF, FLAG_ELF_LIBC5, FLAG_ELF_LIBC6, FLAG_LIBC4, UNKNOWN, LibraryInfo,
-                                 implicit_soname, known, read_library)
+                                 implicit_soname, keep, known, read_library)
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.ldcache import CacheRecord, encode_ldcache, libcmp
 from gpuhook.errors import ApplyError
@@ -142,6 +142,7 @@ class CacheWriter:
         self._tree = _Tree(fs, hidden, deadline)
         self._generator = profile.generator
         self._scan = _Scan()
+        self._listed: list[bytes] = []  # the directories library_names listed
         for directory in dirs:
             self._tree.add_dir(self._scan, os.fsencode(directory))
         self._tree.parse_conf(self._scan, _CONF, 0)
@@ -151,7 +152,7 @@ class CacheWriter:
     def library_names(self, most: int = MOST_LIBRARIES) -> int:
         """About how many libraries ``write`` would look at, counted up to just past *most*: names in
         the directories and their hwcap subdirectories (listed once: ``write`` reuses the listings)."""
-        queue = [d.path for d in self._scan.dirs]
+        queue = self._listed = [d.path for d in self._scan.dirs]
         seen, count, index = set(queue), 0, 0
         while index < len(queue) and count <= most:
             for item in self._tree.remember_listing(queue[index]) or ():
@@ -163,6 +164,31 @@ class CacheWriter:
                     queue.append(sub)
             index += 1
         return count
+
+    @property
+    def libraries_read(self) -> int:
+        """How many library files this writer read so far (the rest were known from a read before)."""
+        return self._tree.read
+
+    def read_libraries(self) -> int:
+        """After ``library_names``: read the regular files among the names it counted, changing nothing, so that
+        ``ldelf.known`` answers for them (a head start on an image's own libraries, taken before the start's
+        plan is known); how many were read."""
+        read = 0
+        for directory in self._listed:
+            opened = self._tree.open_listing(directory)
+            if opened is None:
+                continue
+            dir_fd, listing = opened
+            try:
+                for item in listing:
+                    self._tree.check_time(directory)
+                    if _is_dso(item.name) and item.is_file(follow_symlinks=False):
+                        self._tree.library(item.name, item.name, dir_fd)
+                        read += 1
+            finally:
+                os.close(dir_fd)
+        return read
 
     def write(self) -> int:
         """Scan, make the links, write the cache; the number of libraries cached. Raises ApplyError where
@@ -199,6 +225,8 @@ class _Tree:
         self.deadline = deadline
         #: listings made before the scan changed anything (``CacheWriter.library_names``), by path
         self._listed: dict[bytes, list[_BytesEntry] | None] = {}
+        #: libraries read (not known from a read before: ``ldelf.known``)
+        self.read = 0
 
     def check_time(self, path: bytes) -> None:
         if time.monotonic() > self.deadline:
@@ -307,10 +335,13 @@ class _Tree:
             return None
         finally:
             os.close(fd)
+        self.read += 1
         try:
-            return read_library(readable, st.st_size, name)
+            info = read_library(readable, st.st_size, name)
         finally:
             os.close(readable)
+        keep(st, info)  # the same file met again (another name, or the start after a head start) is not read again
+        return info
 
     # -- the configuration -------------------------------------------------------------------------
 

@@ -95,6 +95,31 @@ def test_the_next_workers_copy_in_the_pages_a_gpu_start_wrote(make_container: Ma
     assert min(w for w, _ in later) < worker / 2 and min(c for _, c in later) < child / 2, faults
 
 
+def test_the_apply_child_reads_the_images_libraries_while_the_worker_plans(
+        make_container: MakeContainer, host: FakeHost, tmp_path: Path) -> None:
+    """Told the rootfs as the start begins, gpuhookd's apply child reads the image's own libraries while the
+    worker finds the devices and plans (the driver's it inherited read): its cache writer reads none, where
+    the in-process hook reads the image's; both caches name the driver's libcuda."""
+    script = "grep -q libcuda.so.1 /etc/ld.so.cache && echo cached"
+
+    def libraries_read(*via: str) -> int:
+        offset = log_size(host)
+        result = make_container(script, TWO_GPUS, hook=hook_entry(host.config_path, *via, "prestart")).run()
+        assert (result.returncode, result.stdout.strip()) == (0, "cached"), result.stderr
+        [applied] = [e for e in events_after(host.root / "gpuhook.log", offset) if e["event"] == "applied"]
+        return int(applied["libraries_read"])
+
+    in_process = libraries_read("--daemon-socket", "none")  # and the inventory cache is there for the workers
+    running = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=host.config_path)
+    try:
+        running.settled()
+        served = libraries_read("--daemon-socket", running.socket)
+    finally:
+        journal = running.stop()
+    assert "request failed" not in journal, journal
+    assert (served, in_process > 0) == (0, True), (served, in_process)
+
+
 def test_the_pool_follows_a_kernel_log_that_is_the_kernels(make_container: MakeContainer, host: FakeHost,
                                                            tmp_path: Path) -> None:
     """A dev root whose dev/kmsg is the kernel's own log (char 1:11, as on a real host): gpuhookd holds it open

@@ -361,3 +361,26 @@ def test_a_library_read_before_is_not_read_again(tmp_path: Path, profile: Ldconf
     os.utime(lib, ns=(1, 1))  # changed since: read again
     _our_cache(tmp_path, (), profile)
     assert b"libfoo.so.2.4.1" in read
+
+
+def test_a_head_start_reads_the_images_libraries_and_changes_nothing(twin, profile: LdconfigProfile,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpuhookd's apply child, told the rootfs before its plan (CacheWriter.read_libraries): the image's
+    libraries read, nothing in the tree changed (no link, no cache); the start's writer then reads none of
+    them again, and writes the cache a start without the head start writes."""
+    from gpuhook.apply import ldelf, ldwrite
+
+    headstart, plain = twin(debian_multiarch)
+    expected, _ = _our_cache(plain, (), profile)
+    monkeypatch.setattr(ldelf, "_KNOWN", {})
+    before = links_in(headstart)
+    writer = ldwrite.CacheWriter(RootFs(os.open(headstart, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)), (), profile,
+                                 frozenset(), deadline=time.monotonic() + 60)
+    assert writer.library_names() > 0
+    assert writer.read_libraries() >= 3  # libc, libm, libfoo and the rest of the layout's
+    assert links_in(headstart) == before and not (headstart / "etc/ld.so.cache").exists()
+    read: list[bytes] = []
+    real = ldwrite.read_library
+    monkeypatch.setattr(ldwrite, "read_library", lambda fd, size, name: read.append(name) or real(fd, size, name))
+    got, _ = _our_cache(headstart, (), profile)
+    assert read == [] and got == expected
