@@ -143,9 +143,9 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
     started = time.monotonic() if started is None else started
     log = get_logger()
     target = _target(container.rootfs, config, placement, runtime_devices)
+    ref = ContainerRef(pid=container.pid, rootfs=container.rootfs, rootfs_id=rootfs_identity(container.rootfs))
     if ahead is not None:  # its child reads the image's libraries while this process plans
-        hint_rootfs(ahead, container.rootfs, tuple(d for d in (target.libs_dir, target.libs32_dir) if d),
-                    _host_ldconfig(config))
+        hint_rootfs(ahead, ref, tuple(d for d in (target.libs_dir, target.libs32_dir) if d), _host_ldconfig(config))
     step = time.monotonic()
     needs = live_needs(request, target)
     found = inventory_for(config, needs, recorded=_recorded(config) if needs.mig else ())
@@ -156,7 +156,6 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
              cache=found.outcome.value, ms=_ms(step))
     if found.not_stored is not None:
         log.warning("inventory_not_cached", reason=found.not_stored)
-    ref = ContainerRef(pid=container.pid, rootfs=container.rootfs, rootfs_id=rootfs_identity(container.rootfs))
     with opened_container(ref.pid) as pidfd, contextlib.ExitStack() as undo:
         # The undo stack: each effect's undo is pushed as soon as the effect exists; any failure
         # later unwinds them all, newest first (the rootfs child undoes its own changes itself).

@@ -156,7 +156,8 @@ def fork_apply_child(*, priority: int, close: Sequence[int] = (), ldconfig_ahead
                       hint=_read_image_libraries)
 
 
-def hint_rootfs(ahead: ChildForkedAhead, rootfs: Path, dirs: tuple[str, ...], ldconfig: HostLdconfig) -> None:
+def hint_rootfs(ahead: ChildForkedAhead, container: ContainerRef, dirs: tuple[str, ...], ldconfig: HostLdconfig,
+                ) -> None:
     """gpuhookd, as a start begins: the apply child forked ahead is told the container's rootfs, to read the
     image's own libraries while the worker finds the devices and makes the plan (where gpuhook writes the
     cache: the start's cache writer then finds them read). Never fails the start."""
@@ -165,7 +166,7 @@ def hint_rootfs(ahead: ChildForkedAhead, rootfs: Path, dirs: tuple[str, ...], ld
     import pickle  # gpuhookd only (preloaded there)
 
     with contextlib.suppress(OSError):  # a child gone already: the start finds out, and says why
-        ahead.child.hint(pickle.dumps((str(rootfs), dirs, ldconfig.profile)), (ahead.mount_ns_fd, ahead.root_fd))
+        ahead.child.hint(pickle.dumps((container, dirs, ldconfig.profile)), (ahead.mount_ns_fd, ahead.root_fd))
 
 
 #: the most a head start on the image's libraries may take (the work waits for it): 300 of them take ~25 ms
@@ -179,9 +180,9 @@ def _read_image_libraries(payload: bytes, fds: list[int]) -> None:
     so many that ldconfig writes its cache is left alone."""
     import pickle
 
-    rootfs, dirs, profile = pickle.loads(payload)
+    container, dirs, profile = pickle.loads(payload)
     syscalls.enter_mount_view(*fds)
-    root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    root = _open_rootfs(container)  # the directory the hook checked, or ApplyError (the hint is dropped)
     try:
         writer = CacheWriter(RootFs(root), dirs, profile, frozenset(), deadline=time.monotonic() + _HINT_BUDGET_S)
         if writer.library_names() <= MOST_LIBRARIES:

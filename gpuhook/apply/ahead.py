@@ -3,7 +3,9 @@
 Forking a large process copies its page tables: in a VM that is milliseconds per fork. An idle
 gpuhookd worker forks its apply child ahead (which forks its own ldconfig child ahead, and waits);
 the request hands it the plan and fds over a socketpair, and from there each child runs exactly
-the code a freshly forked one would. Only gpuhookd uses this: a hook process forks at once.
+the code a freshly forked one would. Before the work, the parent may send hints (the apply child:
+the container's rootfs, whose libraries it reads while the worker plans); a hint only ever reads,
+and one that fails is ignored. Only gpuhookd uses this: a hook process forks at once.
 
 (Pre-faulting the children's memory with MADV_POPULATE_WRITE as well saved ~5 ms per request on
 a quiet machine but cost ~25 ms of CPU and ~15 MiB per prepared process, and measured slower
