@@ -7,9 +7,9 @@ the code a freshly forked one would. Before the work, the parent may send hints 
 the container's rootfs, whose libraries it reads while the worker plans); a hint only ever reads,
 and one that fails is ignored. Only gpuhookd uses this: a hook process forks at once.
 
-(Pre-faulting the children's memory with MADV_POPULATE_WRITE as well saved ~5 ms per request on
-a quiet machine but cost ~25 ms of CPU and ~15 MiB per prepared process, and measured slower
-under load in ``make bench``: it is not done.)
+(Pre-faulting all of the children's memory with MADV_POPULATE_WRITE saved ~5 ms per request on a
+quiet machine but cost ~25 ms of CPU and ~15 MiB per prepared process, and measured slower under
+load in ``make bench``: only the pages the last child of its kind wrote are copied in, ``learned``.)
 """
 
 from __future__ import annotations
