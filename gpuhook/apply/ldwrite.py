@@ -522,7 +522,31 @@ class _Tree:
 
     def _create_links(self, dir_fd: int, path: bytes, libname: bytes, soname: bytes) -> None:
         """create_links(): make SONAME a link to the library unless it already leads there (or is
-        a file, or Debian's ldconfig keeps it: a loader's name)."""
+        a file, or Debian's ldconfig keeps it: a loader's name). A SONAME with a slash puts its link
+        where that name leads from *path*, inside the root as ldconfig's chroot keeps it."""
+        place = self._link_place(dir_fd, path, soname)
+        if place is None:
+            return
+        link_dir, link = place
+        try:
+            self._make_link(link_dir, path, libname, soname, link)
+        finally:
+            if link_dir != dir_fd:
+                os.close(link_dir)
+                self._listed.clear()  # a directory listed before may have changed: each is listed again
+
+    def _link_place(self, dir_fd: int, path: bytes, soname: bytes) -> tuple[int, bytes] | None:
+        """The directory (*dir_fd*, or one opened in the root) and name of SONAME's link; None where there is none."""
+        if b"/" not in soname:
+            return dir_fd, soname
+        parent, _, link = (path + b"/" + soname).rpartition(b"/")
+        if link in (b"", b".", b".."):
+            return None
+        opened = self._open(parent or b"/", os.O_PATH | os.O_DIRECTORY)
+        return None if opened is None else (opened, link)
+
+    def _make_link(self, link_dir: int, path: bytes, libname: bytes, soname: bytes, link: bytes) -> None:
+        """``_create_links`` once the link's place is found (*link* in *link_dir*)."""
         so_st = self.stat(path + b"/" + soname)
         do_remove = True
         if so_st is not None:
@@ -531,15 +555,15 @@ class _Tree:
                 return
             if soname in _LOADER_SONAMES or (lib_st.st_dev, lib_st.st_ino) == (so_st.st_dev, so_st.st_ino):
                 return
-            if not _is_link(dir_fd, soname):
+            if not _is_link(link_dir, link):
                 return  # "is not a symbolic link": left as it is
-        elif not _is_link(dir_fd, soname):
+        elif not _is_link(link_dir, link):
             do_remove = False
         shown = os.fsdecode(path + b"/" + soname)
         with contextlib.suppress(OSError):  # ldconfig: "Can't link ..." and goes on
             if do_remove:
-                self.fs.remove_link(dir_fd, os.fsdecode(soname), shown)
-            self.fs.make_link(dir_fd, os.fsdecode(soname), os.fsdecode(libname), shown)
+                self.fs.remove_link(link_dir, os.fsdecode(link), shown)
+            self.fs.make_link(link_dir, os.fsdecode(link), os.fsdecode(libname), shown)
 
     def _remove_stale(self, dir_fd: int, path: bytes, name: bytes) -> None:
         """A ``*.so.*`` link that leads nowhere goes (ldconfig removes stale links)."""

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpuhook.apply.ldelf import sample_library
+
 from .conftest import Progs
 from .rig import GPU0, GPU_PROBE, LIBS_DIR, Rig
 
@@ -174,6 +176,31 @@ def test_nothing_in_the_image_blocks_ldconfig(rig: Rig, image: str) -> None:
         new = os.lstat(container.rootfs / rel)
         assert (new.st_ino, new.st_mode, new.st_rdev) == (old.st_ino, old.st_mode, old.st_rdev), rel
     assert "timed out" not in outcome.result.stderr, outcome.result.stderr
+
+
+def test_a_soname_climbing_out_of_the_rootfs_links_inside_it(rig: Rig) -> None:
+    """E44: a library whose SONAME climbs out of the rootfs (``../`` past its root, to a host directory with a
+    symlink in it) gets its link where ldconfig's chroot puts it, inside the rootfs: the host's symlink is not
+    replaced and no link appears beside it (the oracle checks every host file outside the rootfs)."""
+    victim_dir = rig.outside / "sonames"
+    victim_dir.mkdir()
+    (victim_dir / "libvictim.so.1").symlink_to("host-target.so.1")
+    climb = "../" * (len(rig.tmp.parts) + 8)  # from LIBS_DIR, well past the root whatever the depth
+    inner = f"{climb}{str(victim_dir).lstrip('/')}"
+
+    def prepare(rootfs: Path) -> None:
+        libs = rootfs / LIBS_DIR.lstrip("/")
+        (libs / "libvictim.so.1.0").write_bytes(sample_library(f"{inner}/libvictim.so.1".encode()))
+        (libs / "libnew.so.1.0").write_bytes(sample_library(f"{inner}/libnew.so.1".encode()))
+        (rootfs / str(victim_dir).lstrip("/")).mkdir(parents=True)  # where the chroot leads them
+
+    container = rig.container(GPU0, GPU_PROBE, prepare=prepare)
+    rig.check_gpu(rig.run(container), [0])
+    assert os.readlink(victim_dir / "libvictim.so.1") == "host-target.so.1"
+    assert sorted(p.name for p in victim_dir.iterdir()) == ["libvictim.so.1"]
+    inside = container.rootfs / str(victim_dir).lstrip("/")
+    assert {p.name: os.readlink(p) for p in inside.iterdir()} == {"libvictim.so.1": "libvictim.so.1.0",
+                                                                   "libnew.so.1": "libnew.so.1.0"}
 
 
 def test_a_fifo_ldconfig_never_reads_does_not_matter(rig: Rig) -> None:

@@ -152,6 +152,24 @@ def odd_entries(root: Path) -> None:
     _put(root, "/opt/c/libc-other.so.1", sample_library(b"libc-other.so.1", bits=32))
 
 
+def slashed_sonames(root: Path) -> None:
+    """SONAMEs with slashes: each link goes where its name leads from the library's directory, inside the
+    root however many ``..`` it has (ldconfig -r's chroot), replacing a link there, or nowhere."""
+    debian_multiarch(root)
+    lib = "/usr/lib/x86_64-linux-gnu"
+    climb = "../" * 12  # from the library directory, past the root
+    (root / lib.lstrip("/") / "sub").mkdir()
+    (root / "opt/escaped").mkdir(parents=True)
+    _put(root, f"{lib}/libsub.so.1.0", sample_library(b"sub/libsub.so.1"))
+    _put(root, f"{lib}/libup.so.2.0", sample_library(b"../libup.so.2"))
+    _put(root, f"{lib}/libout.so.1.0", sample_library(f"{climb}opt/escaped/libout.so.1".encode()))
+    _link(root, "/opt/escaped/libold.so.3", "elsewhere.so.3")
+    _put(root, f"{lib}/libold.so.3.0", sample_library(f"{climb}opt/escaped/libold.so.3".encode()))
+    _put(root, f"{lib}/libdots.so.1", sample_library(b"sub/.."))
+    _put(root, f"{lib}/libnodir.so.1.0", sample_library(b"nodir/libnodir.so.1"))
+    _put(root, f"{lib}/libabs.so.1.0", sample_library(b"/opt/escaped/libabs.so.1"))
+
+
 def sample(root: Path) -> None:
     sample_tree(root, (b"/lib/x86_64-linux-gnu", b"/usr/lib/x86_64-linux-gnu"))
 
@@ -174,6 +192,7 @@ def _same_fs(a: Path, b: Path) -> bool:
 LAYOUTS: dict[str, Layout] = {
     "debian-multiarch": debian_multiarch, "rhel-lib64": rhel_lib64, "merged-usr": merged_usr, "hwcaps": hwcaps,
     "empty": empty, "missing-ld.so.conf": missing_conf, "odd-entries": odd_entries, "sample": sample,
+    "slashed-sonames": slashed_sonames,
 }
 
 
