@@ -12,7 +12,7 @@ header. Layouts (little-endian on the platforms we support)::
 
 from __future__ import annotations
 
-import functools
+import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -151,24 +151,24 @@ def libcmp(left: bytes, right: bytes) -> int:
     return 0 - (right[j] if j < len(right) else 0)
 
 
-def _compare(first: CacheRecord, second: CacheRecord) -> int:  # noqa: PLR0911 - one return per rule
-    """elf/cache.c compare(): names descending by libcmp, then flags, glibc-hwcaps entries first
-    (by name), then the most specific legacy hwcap."""
-    res = libcmp(second.soname, first.soname)
-    if res != 0:
-        return res
-    if first.flags != second.flags:
-        return 1 if first.flags < second.flags else -1
-    if (first.hwcaps is None) != (second.hwcaps is None):
-        return -1 if first.hwcaps is not None else 1
-    if first.hwcaps is not None and second.hwcaps is not None and first.hwcaps != second.hwcaps:
-        return -1 if first.hwcaps < second.hwcaps else 1
-    bits_first, bits_second = first.hwcap.bit_count(), second.hwcap.bit_count()
-    if bits_first != bits_second:
-        return 1 if bits_second > bits_first else -1
-    if first.hwcap != second.hwcap:
-        return 1 if second.hwcap > first.hwcap else -1
-    return 0
+_DIGITS: Final = re.compile(rb"[0-9]+|[^0-9]")
+
+
+def libcmp_key(name: bytes) -> list[tuple[int, int]]:
+    """A sort key in ``libcmp``'s order (for names without NUL, as every file name and SONAME is): each run
+    of digits one number, each other byte itself, and a digit after any other byte."""
+    return [(1, int(token)) if 0x30 <= token[0] <= 0x39 else (0, token[0])  # b'0' <= byte <= b'9'
+            for token in _DIGITS.findall(name)]
+
+
+def _sorted(records: Sequence[CacheRecord]) -> list[CacheRecord]:
+    """elf/cache.c compare()'s order, stable (as ldconfig's sorted inserts): names descending by libcmp, then
+    flags descending, glibc-hwcaps entries first (by name), then the most specific legacy hwcap. Sorted by the
+    later rules first, then by name: a stable sort keeps their order among equal names."""
+    entries = sorted(records, key=lambda r: (-r.flags, r.hwcaps is None, r.hwcaps or b"", -r.hwcap.bit_count(),
+                                             -r.hwcap))
+    entries.sort(key=lambda r: libcmp_key(r.soname), reverse=True)
+    return entries
 
 
 def _string_table(strings: set[bytes]) -> tuple[bytes, dict[bytes, int]]:
@@ -200,7 +200,7 @@ def encode_ldcache(records: Sequence[CacheRecord], hwcaps_seen: Iterable[bytes],
     its string table even when it holds no library); *generator*: the ldconfig's own
     "ldconfig (...) release version X" string, as its extension section carries it.
     """
-    entries = sorted(records, key=functools.cmp_to_key(_compare))  # stable, as the sorted inserts
+    entries = _sorted(records)
     strings = {r.soname for r in entries} | {r.path for r in entries} | set(hwcaps_seen)
     table, offsets = _string_table(strings)
     used = sorted({r.hwcaps for r in entries if r.hwcaps is not None})

@@ -74,7 +74,8 @@ __all__ = [
     "ChildAhead", "ChildForkedAhead", "Container", "Placement", "XidLog", "check_ldconfig", "discover_uncached",
     "enter_hook_view", "follow_kernel_log", "fork_apply_ahead", "host_inventory", "load_settings", "prepare_daemon",
     "prepare_worker", "render_cdi", "render_plan", "render_spec_edit", "replace_spec",
-    "request_for", "start", "start_configure", "start_hook", "stop", "update_ldcache_in", "writes_ldcache_itself",
+    "request_for", "share_library_reads", "start", "start_configure", "start_hook", "stop", "update_ldcache_in",
+    "writes_ldcache_itself",
 ]
 
 
@@ -197,7 +198,7 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
     # profile `make bench` prints), and the peak memory of this process (not counting the apply child).
     log.info("applied", gpus=list(plan.gpus), ms=_ms(step), total_ms=_ms(started),
              steps_ms={**profile, **dict(report.steps_ms)}, apply_page_faults=report.page_faults,
-             libraries_read=report.libraries_read,
+             libraries_read=report.libraries_read, libraries_read_ahead=report.libraries_read_ahead,
              peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
 
 
@@ -604,6 +605,14 @@ def follow_kernel_log(config: Config) -> XidLog | None:
         return None
     health.share(log)
     return log
+
+
+def share_library_reads() -> None:
+    """gpuhookd, before it forks its workers: what any of its processes reads of a container's libraries is
+    kept for all (``ldshared``), so that the starts of one image read each of its libraries once."""
+    from gpuhook.apply import ldelf, ldshared
+
+    ldelf.share(ldshared.Shared())
 
 
 def prepare_worker(config_path: str, *, required: bool) -> bool:

@@ -64,7 +64,7 @@ from integration.engines import default_spec, require_tool, run_container, uniqu
 from integration.fakehost import FakeHost, create_host
 from integration.gpuhookd import Gpuhookd
 from integration.relay import install_relay, relay_for, runtime_for
-from integration.rootfs import build_rootfs, copy_rootfs
+from integration.rootfs import MULTIARCH, build_rootfs, copy_rootfs, mount_image
 from integration.scratchfs import scratch_filesystem, tmpfs, unmount
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +77,8 @@ STATE_TMPFS = Path("/run/gpuhook-bench")
 SCRATCH_IMAGE = Path("/dev/shm/gpuhook-bench-rootfs.img")
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
 COMPUTE = "compute,utility"
+#: library names in a CUDA runtime image's library directories (nvidia/cuda:12 runtime on Ubuntu: ~200)
+IMAGE_LIBRARIES = 200
 INSTRUMENTED_RUNS = 5
 IMPORTTIME_RUNS = 5
 
@@ -122,6 +124,9 @@ class Scenario:
     #: a container asking for the same GPUs keeps running through all the runs (started before them,
     #: deleted after), so each run is its GPU's second client (an MPS daemon already up)
     held: bool = False
+    #: the rootfs is this image on overlayfs (a fresh upper layer per run, as engines mount images),
+    #: not a copy of the small test rootfs
+    image: Path | None = None
 
 
 @dataclass(slots=True)
@@ -261,6 +266,10 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
                            gpus=[{"device": 0, "sharing": "mps", "replicas": 2}])
     no_cache = write_config(configs / "host8-nocache.yaml", hosts[8], cache=False)
     no_leases = write_config(configs / "host8-noleases.yaml", hosts[8], cache=True, leases=False)
+    sandboxed = write_config(configs / "host8-ldconfig.yaml", hosts[8], cache=True)
+    with sandboxed.open("a") as extra:
+        extra.write("ldconfig_native: false\n")
+    image = library_image(rootfs_src, work / "image")
     with_metrics = write_config(configs / "host8-metrics.yaml", hosts[8], cache=True, metrics=METRICS_ADDRESS)
     # gpuhook-runtime finds its config as under dockerd: in its environment, which it inherits from here.
     os.environ["GPUHOOK_CONFIG"] = str(cfg[8])
@@ -292,6 +301,13 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
         Scenario("gpu8", "hook, 8 GPUs, compute,utility", hosts[8], gpus(COMPUTE), hook(cfg[8]), cached=True),
         Scenario("gpu64", "hook, 64 GPUs, compute,utility", hosts[64], gpus(COMPUTE), hook(cfg[64]), cached=True),
         Scenario("gpu8-all", "hook, 8 GPUs, all capabilities", hosts[8], gpus("all"), hook(cfg[8]), cached=True),
+        Scenario("bare-image", f"bare runc, a CUDA runtime-sized image ({IMAGE_LIBRARIES} library names) on "
+                 "overlayfs", image=image),
+        Scenario("gpu8-image", f"hook, 8 GPUs, compute,utility, that image ({IMAGE_LIBRARIES} library names, "
+                 "overlayfs)", hosts[8], gpus(COMPUTE), hook(cfg[8]), cached=True, image=image),
+        Scenario("gpu8-image-ldconfig", "hook, 8 GPUs, compute,utility, that image, its cache written by the host's "
+                 "ldconfig (ldconfig_native: false)", hosts[8], gpus(COMPUTE), hook(sandboxed), cached=True,
+                 image=image),
         Scenario("gpu8-nocache", "hook, 8 GPUs, compute,utility, cache off (NVML every start)", hosts[8],
                  gpus(COMPUTE), hook(no_cache)),
         Scenario("gpu8-nolease", "hook, 8 GPUs, compute,utility, leases off (state_dir: null)", hosts[8],
@@ -343,7 +359,10 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
 def run_once(scenario: Scenario, spec: dict[str, Any], rootfs_src: Path, bundle: Path,
              ) -> tuple[float, int, dict[str, float]]:
     """One ``runc run``: its wall time in ms, the NVML calls it caused and the hook's logged timings."""
-    copy_rootfs(rootfs_src, bundle / "rootfs")
+    if scenario.image is None:
+        copy_rootfs(rootfs_src, bundle / "rootfs")
+    else:
+        mount_image(scenario.image, bundle)
     write_bundle(bundle, spec)
     host = scenario.host
     log = host.root / "gpuhook.log" if host else None
@@ -352,11 +371,42 @@ def run_once(scenario: Scenario, spec: dict[str, Any], rootfs_src: Path, bundle:
     try:
         result = run_container("runc", bundle, unique_id("bench"), wrapper=scenario.wrapper)
     finally:
+        if scenario.image is not None:
+            unmount(bundle / "rootfs")
         shutil.rmtree(bundle, ignore_errors=True)
     if result.returncode != 0:
         raise BenchError(f"{scenario.name}: runc run failed ({result.returncode}): {result.stderr.strip()}")
     calls = sum(count for _, count in host.nvml_calls()[calls_before:]) if host else 0
     return result.duration_s * 1000, calls, _logged_timings(log, log_before)
+
+
+def library_image(rootfs_src: Path, dest: Path, names: int = IMAGE_LIBRARIES) -> Path:
+    """An image the size of a CUDA runtime one: the test rootfs and, in /usr/lib/<multiarch>, about *names*
+    library names of the host's own (its first regular files under 400 KiB by name, each with the links to it
+    there), and the ld.so.cache the host's ldconfig makes of it, as an image's build leaves one."""
+    copy_rootfs(rootfs_src, dest)
+    source = Path("/usr/lib") / MULTIARCH
+    links: dict[str, list[str]] = {}
+    for entry in sorted(os.scandir(source), key=lambda e: e.name):
+        if entry.is_symlink() and ".so" in entry.name:
+            links.setdefault(os.path.basename(os.readlink(entry.path)), []).append(entry.name)
+    libdir = dest / "usr" / "lib" / MULTIARCH
+    libdir.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for entry in sorted(os.scandir(source), key=lambda e: e.name):
+        if count >= names:
+            break
+        if not (entry.name.startswith("lib") and ".so" in entry.name and entry.is_file(follow_symlinks=False)
+                and entry.stat(follow_symlinks=False).st_size < 400 << 10):
+            continue
+        shutil.copy2(entry.path, libdir / entry.name)
+        for link in links.get(entry.name, ()):
+            (libdir / link).symlink_to(entry.name)
+        count += 1 + len(links.get(entry.name, ()))
+    (dest / "etc" / "ld.so.conf.d").mkdir(exist_ok=True)
+    (dest / "etc" / "ld.so.conf.d" / f"{MULTIARCH}.conf").write_text(f"/usr/lib/{MULTIARCH}\n")
+    subprocess.run([require_tool("ldconfig"), "-r", str(dest)], check=True, capture_output=True)
+    return dest
 
 
 def _logged_timings(log: Path | None, offset: int) -> dict[str, float]:

@@ -35,6 +35,7 @@ __all__ = [
     "MULTIARCH",
     "build_rootfs",
     "copy_rootfs",
+    "mount_image",
 ]
 
 MULTIARCH = "x86_64-linux-gnu"
@@ -141,6 +142,17 @@ def copy_rootfs(src: Path, dst: Path) -> Path:
         raise FileExistsError(f"copy_rootfs: destination {dst} is not empty")
     _copy_tree(Path(src), dst)
     return dst
+
+
+def mount_image(image: Path, bundle: Path) -> Path:
+    """*image* as the rootfs of *bundle*, on overlayfs with a new upper layer (as engines mount an image, so
+    that its files are the image's own inodes in every container); ``umount`` it after the run."""
+    for name in ("rootfs", "upper", "work"):
+        (bundle / name).mkdir(parents=True)
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                    f"lowerdir={image},upperdir={bundle / 'upper'},workdir={bundle / 'work'}", str(bundle / "rootfs")],
+                   check=True, capture_output=True)
+    return bundle / "rootfs"
 
 
 def _copy_tree(src: Path, dst: Path) -> None:

@@ -80,6 +80,9 @@ class ApplyReport:
     #: library files gpuhook's cache writer read in the rootfs (the others were read before: the driver's by
     #: the idle worker, the image's by the apply child's head start); None where ldconfig wrote the cache
     libraries_read: int | None = None
+    #: library files that head start read (the others were known: an earlier start of the image read them,
+    #: ``ldshared``); None where it was not taken
+    libraries_read_ahead: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +174,8 @@ def hint_rootfs(ahead: ChildForkedAhead, container: ContainerRef, dirs: tuple[st
 
 #: the most a head start on the image's libraries may take (the work waits for it): 300 of them take ~25 ms
 _HINT_BUDGET_S = 0.1
+#: what this apply child's head start read (``ApplyReport.libraries_read_ahead``)
+_read_ahead: int | None = None
 
 
 def _read_image_libraries(payload: bytes, fds: list[int]) -> None:
@@ -180,15 +185,17 @@ def _read_image_libraries(payload: bytes, fds: list[int]) -> None:
     so many that ldconfig writes its cache is left alone."""
     import pickle
 
+    global _read_ahead  # noqa: PLW0603 - this child's one head start, for its report
     container, dirs, profile = pickle.loads(payload)
     syscalls.enter_mount_view(*fds)
     root = _open_rootfs(container)  # the directory the hook checked, or ApplyError (the hint is dropped)
     try:
         writer = CacheWriter(RootFs(root), dirs, profile, frozenset(), deadline=time.monotonic() + _HINT_BUDGET_S)
         if writer.library_names() <= MOST_LIBRARIES:
-            writer.read_libraries()
+            _read_ahead = writer.read_libraries()
     finally:
         os.close(root)
+
 
 
 @contextmanager
@@ -317,11 +324,12 @@ def _collect(child: int, read_fd: int, container: ContainerRef, timeout: float) 
         report = {"error": ApplyError("apply", str(rootfs), detail=f"garbled report {raw[:200]!r}").to_dict()}
     if "error" in report:
         raise error_from_dict(report["error"])
-    faults, read = report.get("page_faults"), report.get("libraries_read")
+    faults, read, ahead = report.get("page_faults"), report.get("libraries_read"), report.get("libraries_read_ahead")
     return ApplyReport(skipped=tuple(report["skipped"]), notes=tuple(report.get("notes", ())),
                        steps_ms=tuple(report.get("steps_ms", {}).items()),
                        page_faults=faults if isinstance(faults, int) else 0,
-                       libraries_read=read if isinstance(read, int) else None)
+                       libraries_read=read if isinstance(read, int) else None,
+                       libraries_read_ahead=ahead if isinstance(ahead, int) else None)
 
 
 def _child_from_payload(payload: bytes, fds: list[int], out_fd: int, ldconfig_ahead: ChildAhead | None,
@@ -364,7 +372,7 @@ def _child_main(
                                                           channel.fileno(), steps, notes)
         report: dict[str, object] = {"skipped": skipped, "notes": notes, "steps_ms": steps,
                                      "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
-                                     "libraries_read": libraries_read}
+                                     "libraries_read": libraries_read, "libraries_read_ahead": _read_ahead}
         status = 0
     except ApplyError as err:
         report = {"error": err.to_dict()}

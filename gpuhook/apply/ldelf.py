@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from gpuhook.apply.ldshared import Shared
+
 FLAG_LIBC4: Final = 0x0000
 FLAG_ELF: Final = 0x0001
 FLAG_ELF_LIBC5: Final = 0x0002
@@ -82,6 +86,8 @@ Identity = tuple[int, int, int, int, int]
 _KNOWN: dict[Identity, LibraryInfo | None] = {}
 #: what ``known`` answers for a file never read
 UNKNOWN: Final = object()
+#: gpuhookd's table of what any process of its pool read (``share``)
+_shared: Shared | None = None
 
 
 def identity(st: os.stat_result) -> Identity:
@@ -90,8 +96,20 @@ def identity(st: os.stat_result) -> Identity:
 
 
 def known(st: os.stat_result) -> LibraryInfo | object | None:
-    """What ``read_library`` said of this very file before, or UNKNOWN."""
-    return _KNOWN.get(identity(st), UNKNOWN)
+    """What ``read_library`` said of this very file before (in this process, or in gpuhookd's pool:
+    ``share``), or UNKNOWN."""
+    answer = _KNOWN.get(identity(st), UNKNOWN)
+    if answer is UNKNOWN and _shared is not None:
+        answer = _shared.get(st)
+        if answer is not UNKNOWN:
+            _KNOWN[identity(st)] = answer  # type: ignore[assignment]
+    return answer
+
+
+def share(table: Shared | None) -> None:
+    """Have ``known`` and ``keep`` use *table* too (gpuhookd, before it forks its workers); None: stop."""
+    global _shared  # noqa: PLW0603 - one per process, set once by the daemon, inherited by its forks
+    _shared = table
 
 
 def remember(paths: Iterable[Path]) -> None:
@@ -103,7 +121,7 @@ def remember(paths: Iterable[Path]) -> None:
             continue
         try:
             st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode):
+            if stat.S_ISREG(st.st_mode) and known(st) is UNKNOWN:
                 keep(st, read_library(fd, st.st_size, os.fsencode(path.name)))
         except OSError:
             pass
@@ -116,6 +134,8 @@ def keep(st: os.stat_result, info: LibraryInfo | None) -> None:
     SONAME comes from the name it was read under)."""
     if info is None or info.flags != FLAG_LIBC4:
         _KNOWN[identity(st)] = info
+        if _shared is not None:
+            _shared.put(st, info)
 
 
 class _TruncatedError(Exception):

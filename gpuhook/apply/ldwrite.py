@@ -173,8 +173,7 @@ class CacheWriter:
     def read_libraries(self) -> int:
         """After ``library_names``: read the regular files among the names it counted, changing nothing, so that
         ``ldelf.known`` answers for them (a head start on an image's own libraries, taken before the start's
-        plan is known); how many were read."""
-        read = 0
+        plan is known); how many were read (the others were known)."""
         for directory in self._listed:
             opened = self._tree.open_listing(directory)
             if opened is None:
@@ -184,11 +183,12 @@ class CacheWriter:
                 for item in listing:
                     self._tree.check_time(directory)
                     if _is_dso(item.name) and item.is_file(follow_symlinks=False):
-                        self._tree.library(item.name, item.name, dir_fd)
-                        read += 1
+                        with contextlib.suppress(OSError):
+                            found = os.stat(item.name, dir_fd=dir_fd, follow_symlinks=False)
+                            self._tree.library(item.name, item.name, dir_fd, found)
             finally:
                 os.close(dir_fd)
-        return read
+        return self._tree.read
 
     def write(self) -> int:
         """Scan, make the links, write the cache; the number of libraries cached. Raises ApplyError where
@@ -227,6 +227,8 @@ class _Tree:
         self._listed: dict[bytes, list[_BytesEntry] | None] = {}
         #: libraries read (not known from a read before: ``ldelf.known``)
         self.read = 0
+        #: the directory being scanned: what its names lead to (``stat_in``), as its loop found them
+        self._seen: dict[bytes, os.stat_result | None] = {}
 
     def check_time(self, path: bytes) -> None:
         if time.monotonic() > self.deadline:
@@ -259,6 +261,23 @@ class _Tree:
             return os.fstat(fd)
         finally:
             os.close(fd)
+
+    def stat_in(self, dir_fd: int, path: bytes, name: bytes) -> os.stat_result | None:
+        """``stat`` of *path*/*name*, *name* an entry of the directory *dir_fd* (*path*): one or two
+        syscalls where it is no symlink, or a symlink to a plain name beside it (a library's usual
+        links); any other symlink is followed from the root."""
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(name, dir_fd=dir_fd)
+                if b"/" in target or target in (b"", b".", b".."):
+                    return self.stat(path + b"/" + name)
+                st = os.stat(target, dir_fd=dir_fd, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    return self.stat(path + b"/" + name)
+        except OSError:
+            return None  # absent (a dangling link), or changed meanwhile: as a failed stat(2)
+        return None if st.st_dev in self.hidden else st
 
     def listing(self, path: bytes) -> list[_BytesEntry] | None:
         """opendir + readdir, in the directory's own order (ldconfig's order matters), or None."""
@@ -320,9 +339,16 @@ class _Tree:
         finally:
             os.close(found[0])
 
-    def library(self, path: bytes, name: bytes, dir_fd: int | None) -> LibraryInfo | None:
+    def library(self, path: bytes, name: bytes, dir_fd: int | None,
+                st: os.stat_result | None = None) -> LibraryInfo | None:
         """``read_library`` of the regular file *path* (``_regular``), None for anything else; a file
-        read before (``ldelf.remember``: the same inode, unchanged) is not read again."""
+        read before (``ldelf.remember``: the same inode, unchanged) is not read again. *st*: what
+        ``stat_in`` found there, enough to answer for a file read before."""
+        if st is not None:
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            if (answer := known(st)) is not UNKNOWN:
+                return answer  # type: ignore[return-value]
         found = self._regular(path, dir_fd)
         if found is None:
             return None
@@ -448,12 +474,13 @@ class _Tree:
         if opened is None:
             return
         dir_fd, listing = opened
+        self._seen.clear()
         try:
-            dlibs: list[_Lib] = []
+            dlibs: dict[bytes, _Lib] = {}  # by SONAME, in the order found
             for item in listing:
                 self.check_time(entry.path)
                 self._consider(scan, entry, dir_fd, item, dlibs)
-            for lib in reversed(dlibs):  # ldconfig adds at the head of its list and walks from there
+            for lib in reversed(dlibs.values()):  # ldconfig adds at the head of its list and walks from there
                 if entry.hwcaps is None:
                     if not lib.is_link:
                         self._create_links(dir_fd, entry.path, lib.name, lib.soname)
@@ -466,7 +493,7 @@ class _Tree:
             os.close(dir_fd)
 
     def _consider(self, scan: _Scan, entry: _Dir, dir_fd: int,  # noqa: PLR0911, PLR0912 - search_dir's loop body
-                  item: _BytesEntry, dlibs: list[_Lib]) -> None:
+                  item: _BytesEntry, dlibs: dict[bytes, _Lib]) -> None:
         """One directory entry, as search_dir's loop body."""
         name = item.name
         is_link = item.is_symlink()
@@ -481,7 +508,7 @@ class _Tree:
         file_name = entry.path + b"/" + name
         target: os.stat_result | None = None
         if is_link:
-            target = self.stat(file_name)
+            target = self._seen[name] = self.stat_in(dir_fd, entry.path, name)
             if target is None:
                 if b".so." in name:
                     self._remove_stale(dir_fd, entry.path, name)
@@ -494,7 +521,15 @@ class _Tree:
             return
         if not is_reg and not is_link:
             return
-        info = self.library(file_name, name, None) if is_link else self.library(name, name, dir_fd)
+        if is_link:
+            info = self.library(file_name, name, None, target)
+        else:
+            try:
+                found = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except OSError:
+                return
+            self._seen[name] = None if found.st_dev in self.hidden else found
+            info = self.library(name, name, dir_fd, found)
         if info is None:
             return
         flag = info.flags
@@ -505,9 +540,8 @@ class _Tree:
             soname = name
         if flag == FLAG_ELF and entry.flag in (FLAG_ELF_LIBC5, FLAG_ELF_LIBC6):
             flag = entry.flag
-        for lib in dlibs:
-            if lib.soname != soname:
-                continue
+        lib = dlibs.get(soname)
+        if lib is not None:
             if (not is_link and lib.is_link) or (is_link == lib.is_link and libcmp(lib.name, name) < 0):
                 # ldconfig keeps the first one's type, except between plain ELF and libc5/libc6
                 # (either way round); other mismatches it only reports
@@ -516,7 +550,7 @@ class _Tree:
                     lib.flag = flag
                 lib.name, lib.is_link, lib.isa_level = name, is_link, info.isa_level
             return
-        dlibs.append(_Lib(name, soname, flag, is_link, info.isa_level))
+        dlibs[soname] = _Lib(name, soname, flag, is_link, info.isa_level)
 
     # -- the image's links -------------------------------------------------------------------------
 
@@ -529,11 +563,12 @@ class _Tree:
             return
         link_dir, link = place
         try:
-            self._make_link(link_dir, path, libname, soname, link)
+            self._make_link(dir_fd, link_dir, path, libname, soname, link)
         finally:
             if link_dir != dir_fd:
                 os.close(link_dir)
                 self._listed.clear()  # a directory listed before may have changed: each is listed again
+                self._seen.clear()  # this one too
 
     def _link_place(self, dir_fd: int, path: bytes, soname: bytes) -> tuple[int, bytes] | None:
         """The directory (*dir_fd*, or one opened in the root) and name of SONAME's link; None where there is none."""
@@ -545,12 +580,13 @@ class _Tree:
         opened = self._open(parent or b"/", os.O_PATH | os.O_DIRECTORY)
         return None if opened is None else (opened, link)
 
-    def _make_link(self, link_dir: int, path: bytes, libname: bytes, soname: bytes, link: bytes) -> None:
+    def _make_link(self, dir_fd: int, link_dir: int, path: bytes, libname: bytes, soname: bytes,
+                   link: bytes) -> None:
         """``_create_links`` once the link's place is found (*link* in *link_dir*)."""
-        so_st = self.stat(path + b"/" + soname)
+        so_st = self._stat_seen(dir_fd, path, soname) if link_dir == dir_fd else self.stat(path + b"/" + soname)
         do_remove = True
         if so_st is not None:
-            lib_st = self.stat(path + b"/" + libname)
+            lib_st = self._stat_seen(dir_fd, path, libname)
             if lib_st is None:
                 return
             if soname in _LOADER_SONAMES or (lib_st.st_dev, lib_st.st_ino) == (so_st.st_dev, so_st.st_ino):
@@ -560,10 +596,18 @@ class _Tree:
         elif not _is_link(link_dir, link):
             do_remove = False
         shown = os.fsdecode(path + b"/" + soname)
+        self._seen.pop(link, None)
         with contextlib.suppress(OSError):  # ldconfig: "Can't link ..." and goes on
             if do_remove:
                 self.fs.remove_link(link_dir, os.fsdecode(link), shown)
             self.fs.make_link(link_dir, os.fsdecode(link), os.fsdecode(libname), shown)
+
+    def _stat_seen(self, dir_fd: int, path: bytes, name: bytes) -> os.stat_result | None:
+        """``stat_in``, answered from this directory's scan where it stat'ed *name* already (the one change
+        since, a link made here, drops its name)."""
+        if name in self._seen:
+            return self._seen[name]
+        return self.stat_in(dir_fd, path, name)
 
     def _remove_stale(self, dir_fd: int, path: bytes, name: bytes) -> None:
         """A ``*.so.*`` link that leads nowhere goes (ldconfig removes stale links)."""

@@ -86,6 +86,7 @@ def serve(listener: socket.socket, *, request_timeout: float, config: OwnConfig,
     holders.refresh(force=True)
     full = False
     learned = prefault.Learned()  # before the forks: every worker and child shares it
+    service.share_library_reads()  # and this
     kernel_log = _kernel_log(config)  # before the forks too: the pool reads each record once
     while True:
         idle = sum(not w.busy and not w.retiring for w in workers.values())

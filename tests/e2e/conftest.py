@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from integration.engines import (
 )
 from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
-from integration.rootfs import build_rootfs, copy_rootfs
+from integration.rootfs import build_rootfs, copy_rootfs, mount_image
 
 REPO = Path(__file__).parents[2]
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
@@ -56,15 +57,22 @@ MakeContainer = Callable[..., Container]
 
 
 @pytest.fixture
-def make_container(tmp_path: Path, host: FakeHost, rootfs_src: Path) -> MakeContainer:
-    """Prepare a bundle running *script* with *env*, gpuhook as its prestart hook."""
+def make_container(tmp_path: Path, host: FakeHost, rootfs_src: Path) -> Iterator[MakeContainer]:
+    """Prepare a bundle running *script* with *env*, gpuhook as its prestart hook; its rootfs a copy of the
+    test rootfs, or *image* on overlayfs (unmounted when the test ends)."""
     counter = iter(range(1000))
+    mounted: list[Path] = []
 
     def make(script: str, env: dict[str, str], *, engine: str = "runc", hook: dict[str, Any] | None = None,
-             hooks: list[dict[str, Any]] | None = None, prepare: Callable[[Path], None] | None = None) -> Container:
+             hooks: list[dict[str, Any]] | None = None, prepare: Callable[[Path], None] | None = None,
+             image: Path | None = None) -> Container:
         bundle = tmp_path / f"bundle{next(counter)}"
         bundle.mkdir()
-        rootfs = copy_rootfs(rootfs_src, bundle / "rootfs")
+        if image is None:
+            rootfs = copy_rootfs(rootfs_src, bundle / "rootfs")
+        else:
+            rootfs = mount_image(image, bundle)
+            mounted.append(rootfs)
         if prepare is not None:
             prepare(rootfs)
         spec = default_spec(
@@ -77,7 +85,9 @@ def make_container(tmp_path: Path, host: FakeHost, rootfs_src: Path) -> MakeCont
         write_bundle(bundle, spec)
         return Container(bundle=bundle, rootfs=rootfs, engine=engine)
 
-    return make
+    yield make
+    for rootfs in mounted:
+        subprocess.run(["umount", str(rootfs)], check=True)
 
 
 @pytest.fixture(autouse=True)

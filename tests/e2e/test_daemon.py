@@ -24,6 +24,8 @@ from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
 
 from ..unit.test_fast_path import ALLOWED as NO_GPU_PATH
+from integration.rootfs import copy_rootfs
+
 from .conftest import MakeContainer, hook_entry, relay_entry
 from .test_hook import PROBE, TWO_GPUS, lines
 
@@ -118,6 +120,35 @@ def test_the_apply_child_reads_the_images_libraries_while_the_worker_plans(
         journal = running.stop()
     assert "request failed" not in journal, journal
     assert (served, in_process > 0) == (0, True), (served, in_process)
+
+
+def test_the_starts_of_one_image_read_its_libraries_once(make_container: MakeContainer, host: FakeHost,
+                                                         rootfs_src: Path, tmp_path: Path) -> None:
+    """Two containers of one image (overlayfs, as engines mount images: the image's files are the same inodes
+    in both), each served by its own worker: the first one's apply child reads the image's libraries in its
+    head start, the second one's reads none (gpuhookd's processes share what they read: apply/ldshared.py);
+    both caches name the driver's libcuda."""
+    image = copy_rootfs(rootfs_src, tmp_path / "image")
+    script = "grep -q libcuda.so.1 /etc/ld.so.cache && echo cached"
+    # the inventory cache there before the workers are forked: each reads the driver's libraries while idle
+    subprocess.run([sys.executable, "-I", "-m", "gpuhook", "--config", str(host.config_path), "info", "--refresh"],
+                   check=True, capture_output=True, timeout=60)
+    running = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=host.config_path)
+    reads = []
+    try:
+        running.settled()
+        hook = hook_entry(host.config_path, "--daemon-socket", running.socket, "prestart")
+        for _ in range(2):
+            offset = log_size(host)
+            result = make_container(script, TWO_GPUS, hook=hook, image=image).run()
+            assert (result.returncode, result.stdout.strip()) == (0, "cached"), result.stderr
+            [applied] = [e for e in events_after(host.root / "gpuhook.log", offset) if e["event"] == "applied"]
+            reads.append((applied["libraries_read_ahead"], applied["libraries_read"]))
+    finally:
+        journal = running.stop()
+    assert "request failed" not in journal, journal
+    (first_ahead, first_read), second = reads
+    assert (first_ahead > 0, first_read, second) == (True, 0, (0, 0)), reads
 
 
 def test_the_pool_follows_a_kernel_log_that_is_the_kernels(make_container: MakeContainer, host: FakeHost,

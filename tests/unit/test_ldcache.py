@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuhook.ldcache import NEW_MAGIC, OLD_MAGIC, parse_ldcache
+from gpuhook.ldcache import NEW_MAGIC, OLD_MAGIC, libcmp, libcmp_key, parse_ldcache
 from gpuhook.errors import LdCacheFormatError
 import contextlib
 
@@ -79,6 +79,14 @@ def test_corrupt_caches_are_refused(image: bytes) -> None:
     """A corrupt cache raises LdCacheFormatError, never IndexError or struct.error."""
     with pytest.raises(LdCacheFormatError):
         parse_ldcache(image)
+
+
+@given(st.binary(max_size=40).filter(lambda b: 0 not in b), st.binary(max_size=40).filter(lambda b: 0 not in b))
+def test_libcmp_key_orders_as_libcmp(left: bytes, right: bytes) -> None:
+    """The sort key the cache is ordered by says what libcmp says of any two names (digits weighted up)."""
+    for a, b in ((left, right), (left + b"1" + right, left + b"01" + right), (b"lib" + left, b"lib" + right + b"9")):
+        key_a, key_b = libcmp_key(a), libcmp_key(b)
+        assert (key_a > key_b) - (key_a < key_b) == (libcmp(a, b) > 0) - (libcmp(a, b) < 0)
 
 
 @given(st.binary(max_size=400))

@@ -1,0 +1,81 @@
+"""What ``ldelf.read_library`` said of a file, kept for every gpuhookd process: starts of one image read it once.
+
+An image's libraries are the same inodes in every container made from it (overlayfs shows a
+lower layer's file with that file's inode number, size and times, only under the st_dev of
+each container's own mount), so a library file is known here by its inode number, size, mtime
+and ctime, without st_dev. A file changed since has another mtime and ctime (ctime no one can
+set), so it is read again. The table lives in a MAP_SHARED region the daemon makes before it
+forks its workers (``Shared``), so what an apply child reads the next start finds, whichever
+worker serves it.
+
+Each slot holds one answer with a CRC of it: a slot read while another process writes it is seen
+as torn, and the file is read again (the same rule as ``sys.prefault.Learned``). A new answer
+takes one of two slots per key (where both hold others, the second is replaced): it is a cache, never a record.
+What it can hold is only what the container's own file says (a SONAME, the ELF flags), which
+goes into that container's own cache: nothing of the host depends on it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+from typing import Final
+
+from gpuhook.apply.ldelf import UNKNOWN, LibraryInfo
+
+#: slots of SLOT bytes: 1 MiB, of which a start touches one page per library it looks up
+SLOTS: Final = 8192
+SLOT: Final = 128
+#: crc, inode, size, mtime_ns, ctime_ns, flags (-1: not a library), ISA level, SONAME length (255: none)
+_ENTRY: Final = struct.Struct("<IQqqqiIB")
+_KEY: Final = struct.Struct("<Qqqq")
+_NO_SONAME: Final = 255
+_LONGEST_SONAME: Final = SLOT - _ENTRY.size
+_NOT_A_LIBRARY: Final = -1
+
+
+class Shared:
+    """The table (module docstring); made before the forks, every process forked after shares its bytes."""
+
+    def __init__(self) -> None:
+        self._region = mmap.mmap(-1, SLOTS * SLOT, flags=mmap.MAP_SHARED)
+
+    def get(self, st: os.stat_result) -> LibraryInfo | object | None:
+        """What was read of the file *st* is (None: not a library), or UNKNOWN."""
+        key = _KEY.pack(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        for start in _slots(key):
+            slot = self._region[start:start + SLOT]
+            crc, *fields = _ENTRY.unpack_from(slot)
+            if bytes(slot[4:4 + _KEY.size]) != key or crc != zlib.crc32(slot[4:]):
+                continue
+            flags, isa_level, length = fields[4:]
+            if flags == _NOT_A_LIBRARY:
+                return None
+            soname = None if length == _NO_SONAME else bytes(slot[_ENTRY.size:_ENTRY.size + length])
+            return LibraryInfo(flags, soname, isa_level)
+        return UNKNOWN
+
+    def put(self, st: os.stat_result, info: LibraryInfo | None) -> None:
+        """Keep what was read of the file *st* is (a SONAME too long for a slot is not kept)."""
+        if info is not None and info.soname is not None and len(info.soname) > _LONGEST_SONAME:
+            return
+        key = _KEY.pack(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        first, second = _slots(key)
+        free = (key, bytes(_KEY.size))  # this key's slot, or one never written
+        start = first if self._region[first + 4:first + 4 + _KEY.size] in free else second
+        if info is None:
+            body = _ENTRY.pack(0, *_KEY.unpack(key), _NOT_A_LIBRARY, 0, _NO_SONAME)[4:]
+        else:
+            soname = info.soname or b""
+            body = _ENTRY.pack(0, *_KEY.unpack(key), info.flags, info.isa_level,
+                               _NO_SONAME if info.soname is None else len(soname))[4:] + soname
+        body = body.ljust(SLOT - 4, b"\0")
+        self._region[start:start + SLOT] = struct.pack("<I", zlib.crc32(body)) + body
+
+
+def _slots(key: bytes) -> tuple[int, int]:
+    """The two slots (byte offsets) a key may be in."""
+    index = zlib.crc32(key) % SLOTS & ~1
+    return index * SLOT, (index + 1) * SLOT
