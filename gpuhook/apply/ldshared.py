@@ -10,9 +10,11 @@ worker serves it.
 
 Each slot holds one answer with a CRC of it: a slot read while another process writes it is seen
 as torn, and the file is read again (the same rule as ``sys.prefault.Learned``). A new answer
-takes one of two slots per key (where both hold others, the second is replaced): it is a cache, never a record.
-What it can hold is only what the container's own file says (a SONAME, the ELF flags), which
-goes into that container's own cache: nothing of the host depends on it.
+takes one of two slots per key (where both hold others, the second is replaced): it is a cache,
+never a record. A wrong answer would take a file with another's inode number, size, mtime and
+ctime to the nanosecond (ctime is the kernel's clock at the file's last change, which no one
+sets), and could only misname a library in a container's ``ld.so.cache``: nothing the host runs
+or trusts depends on the table.
 """
 
 from __future__ import annotations

@@ -572,11 +572,11 @@ class _Tree:
 
     def _link_place(self, dir_fd: int, path: bytes, soname: bytes) -> tuple[int, bytes] | None:
         """The directory (*dir_fd*, or one opened in the root) and name of SONAME's link; None where there is none."""
-        if b"/" not in soname:
-            return dir_fd, soname
         parent, _, link = (path + b"/" + soname).rpartition(b"/")
         if link in (b"", b".", b".."):
-            return None
+            return None  # a directory, never a link: ldconfig leaves it too
+        if b"/" not in soname:
+            return dir_fd, soname
         opened = self._open(parent or b"/", os.O_PATH | os.O_DIRECTORY)
         return None if opened is None else (opened, link)
 

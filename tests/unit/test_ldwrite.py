@@ -166,6 +166,7 @@ def slashed_sonames(root: Path) -> None:
     _link(root, "/opt/escaped/libold.so.3", "elsewhere.so.3")
     _put(root, f"{lib}/libold.so.3.0", sample_library(f"{climb}opt/escaped/libold.so.3".encode()))
     _put(root, f"{lib}/libdots.so.1", sample_library(b"sub/.."))
+    _put(root, f"{lib}/libdotdot.so.1", sample_library(b".."))
     _put(root, f"{lib}/libnodir.so.1.0", sample_library(b"nodir/libnodir.so.1"))
     _put(root, f"{lib}/libabs.so.1.0", sample_library(b"/opt/escaped/libabs.so.1"))
 
