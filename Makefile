@@ -32,7 +32,7 @@ demo: deps venv
 	$(PY) -m integration.demo
 
 # Real `runc run`s on simulated 1/8/64-GPU hosts: prints a Markdown table and writes
-# .cache/bench/results.json (BENCH_ARGS="--runs 30" for more runs).
+# .cache/bench/results.json (BENCH_ARGS="--runs 80" for more runs; 40 by default).
 bench: deps venv
 	$(PY) -m integration.bench $(BENCH_ARGS)
 

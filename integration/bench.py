@@ -81,6 +81,9 @@ HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
 COMPUTE = "compute,utility"
 #: library names in a CUDA runtime image's library directories (nvidia/cuda:12 runtime on Ubuntu: ~200)
 IMAGE_LIBRARIES = 200
+#: timed runs per scenario: a run here varies by ±20% (bare runc 28–50 ms in one bench), so a median of
+#: 15 moved a ratio by ~0.1 from one bench to the next; 40 halve that, in ~4 minutes
+RUNS = 40
 INSTRUMENTED_RUNS = 5
 IMPORTTIME_RUNS = 5
 
@@ -117,7 +120,7 @@ class Scenario:
     static: dict[str, Any] | None = None
     #: with a valid cache NVML must not be called
     cached: bool = False
-    #: the hook is registered for poststop too (as the packages do), its argv's stage word replaced
+    #: the hook is registered for poststop too (as the packages do), its argv's stage word (if any) replaced
     poststop: bool = False
     #: the runc wrapper that runs the container (gpuhook-runtime, as docker --runtime nvidia runs it), or runc
     wrapper: Path | None = None
@@ -210,7 +213,8 @@ def make_spec(scenario: Scenario, wrapper: tuple[str, ...] = (),
         env = [*HOOK_ENV, *scenario.hook_env]
         hooks = {"prestart": [{"path": args[0], "args": args, "env": env}]}
         if scenario.poststop:
-            stop = [*scenario.hook_argv[:-1], "poststop"]
+            argv = scenario.hook_argv
+            stop = [*argv[:-1], "poststop"] if argv[-1] == "prestart" else list(argv)  # a stage word, or a no-op
             hooks["poststop"] = [{"path": stop[0], "args": stop, "env": env}]
     spec = default_spec("rootfs", list(process), list(scenario.env), hooks=hooks, annotations={})
     if scenario.static is not None:
@@ -342,6 +346,8 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
                  static=static_floor(python, cfg[8], gpus(COMPUTE), rootfs_src, work)),
         Scenario("hook-floor", "reference: hook = busybox `true`, a static no-op (what running any hook costs runc)",
                  hook_argv=(shutil.which("busybox") or "/bin/busybox", "true")),
+        Scenario("hook-floor-poststop", "reference: busybox `true` as the prestart and the poststop hook (what two "
+                 "hooks cost runc)", hook_argv=(shutil.which("busybox") or "/bin/busybox", "true"), poststop=True),
         Scenario("python-floor", "reference: hook = `python -I -c pass` (interpreter floor)",
                  hook_argv=(str(python), "-I", "-c", "pass")),
         Scenario("no-gpu-python", "reference: Python hook, no GPU (no daemon involved)", hosts[8],
@@ -767,7 +773,7 @@ def print_report(report: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Build the hosts, run the scenarios, write the JSON and print the table."""
     parser = argparse.ArgumentParser(prog="python -m integration.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=15, help="timed runs per scenario (default 15)")
+    parser.add_argument("--runs", type=int, default=RUNS, help=f"timed runs per scenario (default {RUNS})")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
     if args.runs < 1:
