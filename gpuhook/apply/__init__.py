@@ -197,7 +197,6 @@ def _read_image_libraries(payload: bytes, fds: list[int]) -> None:
         os.close(root)
 
 
-
 @contextmanager
 def opened_container(pid: int) -> Iterator[int]:
     """A pidfd for the container's init *pid* (which must live in a mount namespace other than ours)
