@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import stat
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -271,11 +271,14 @@ def _read_elf(file: _File, header: bytes, layout: _Layout) -> LibraryInfo | None
             isa_level = _isa_level(file, p_offset, p_filesz, p_align, layout.word) or isa_level
     if dynamic_size == 0:
         return None
-    strings = _strtab(file, dynamic_addr, layout, segments)
+    file.check(dynamic_addr)  # check_ptr (dyn_entry)
+    dynamic = _dynamic(file, dynamic_addr, layout)
+    strings = _strtab(dynamic, segments)
     if strings is None:
         return None
+    file.check(strings)  # check_ptr (dynamic_strings)
     soname = None
-    for tag, value in _dynamic(file, dynamic_addr, layout):
+    for tag, value in dynamic:
         if tag in (_DT_NEEDED, _DT_SONAME):
             file.check(strings + value)  # check_ptr (name)
             text = file.string(strings + value)
@@ -289,30 +292,27 @@ def _read_elf(file: _File, header: bytes, layout: _Layout) -> LibraryInfo | None
     return LibraryInfo(flags, soname, isa_level)
 
 
-def _dynamic(file: _File, offset: int, layout: _Layout) -> Iterator[tuple[int, int]]:
+def _dynamic(file: _File, offset: int, layout: _Layout) -> list[tuple[int, int]]:
     """The dynamic section's (tag, value) pairs from *offset* up to DT_NULL or the file's end."""
+    found: list[tuple[int, int]] = []
     while offset < file.size:
         entries = file.block(offset, 64, layout.dyn)
-        for tag, value in entries:
-            if tag == 0:
-                return
-            yield tag, value
+        for entry in entries:
+            if entry[0] == 0:
+                return found
+            found.append(entry)  # type: ignore[arg-type]
         offset += len(entries) * layout.dyn.size
+    return found
 
 
-def _strtab(file: _File, dynamic_addr: int, layout: _Layout, segments: list[tuple[int, int, int, int]]) -> int | None:
+def _strtab(dynamic: list[tuple[int, int]], segments: list[tuple[int, int, int, int]]) -> int | None:
     """The file offset of the dynamic string table (DT_STRTAB mapped through its PT_LOAD), or None."""
-    file.check(dynamic_addr)  # check_ptr (dyn_entry)
-    for tag, value in _dynamic(file, dynamic_addr, layout):
+    for tag, value in dynamic:
         if tag == _DT_STRTAB:
-            loadoff = 0
             for p_type, p_offset, p_vaddr, p_filesz in segments:
                 if p_type == _PT_LOAD and p_vaddr <= value < p_vaddr + p_filesz:
-                    loadoff = p_vaddr - p_offset
-                    break
-            strings = value - loadoff
-            file.check(strings)  # check_ptr (dynamic_strings)
-            return strings
+                    return value - (p_vaddr - p_offset)
+            return value
     return None
 
 
