@@ -30,6 +30,7 @@ from integration.rootfs import copy_rootfs
 from tests.conftest import readable_host
 
 from .conftest import hook_entry, relay_entry
+from .test_relay import run_relay
 
 GPU0 = {"NVIDIA_VISIBLE_DEVICES": "0"}
 ANY = {"NVIDIA_VISIBLE_DEVICES": "any"}
@@ -306,6 +307,34 @@ def test_gpuhookd_releases_a_lease_when_its_holder_exits(make_site: MakeSite, ho
         print(f"gpuhookd released the lease {took * 1000:.0f} ms after `runc kill` ({via})")
         assert took < DAEMON_RELEASE_BOUND_S, f"the lease went {took:.2f} s after the kill"
         assert site.leases() == []
+    finally:
+        journal = daemon.stop()
+    assert "request failed" not in journal and "Traceback" not in journal, journal
+
+
+def test_a_relayed_poststop_reads_the_ledger_before_it_skips(make_site: MakeSite, host8: FakeHost, relay: Path) -> None:
+    """gpuhookd answers a poststop no lease names from one read of the ledger (the Python hook's fast path);
+    one the ledger names goes the whole way: A, still running, keeps its lease (`lease_kept`), and B, never
+    started, gets no event at all."""
+    site = make_site(host8, EXCLUSIVE0)
+    daemon = Gpuhookd(sys.executable, site.tmp / "gpuhookd", config=site.config)
+    try:
+        argv = ("--daemon-socket", daemon.socket)
+        a = site.run(GPU0, poststop=False, prestart=relay_entry(relay, site.config, *argv, "prestart"))
+        assert site.holders() == {a.id: {0}}
+        offset = (host8.root / "gpuhook.log").stat().st_size
+        for container_id in (a.id, "never-started-b"):
+            stop = run_relay(relay, "--config", str(site.config), *argv, "poststop",
+                             state=json.dumps({"ociVersion": "1.0.2", "id": container_id, "status": "stopped",
+                                               "bundle": str(site.tmp)}))
+            assert (stop.returncode, stop.stderr) == (0, "")
+        with (host8.root / "gpuhook.log").open() as log:
+            log.seek(offset)
+            events = [json.loads(line) for line in log if line.strip()]
+        assert [(e["event"], e.get("container_id"), e.get("served_by")) for e in events] == [
+            ("lease_kept", a.id, "gpuhookd")], events
+        assert site.holders() == {a.id: {0}}
+        assert site.runc_cmd("kill", a.id, "KILL").returncode == 0
     finally:
         journal = daemon.stop()
     assert "request failed" not in journal and "Traceback" not in journal, journal
