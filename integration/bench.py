@@ -393,15 +393,15 @@ def library_image(rootfs_src: Path, dest: Path, names: int = IMAGE_LIBRARIES) ->
     library names of the host's own (its first regular files under 400 KiB by name, each with the links to it
     there), and the ld.so.cache the host's ldconfig makes of it, as an image's build leaves one."""
     copy_rootfs(rootfs_src, dest)
-    source = Path("/usr/lib") / MULTIARCH
+    listing = sorted(os.scandir(Path("/usr/lib") / MULTIARCH), key=lambda e: e.name)
     links: dict[str, list[str]] = {}
-    for entry in sorted(os.scandir(source), key=lambda e: e.name):
+    for entry in listing:
         if entry.is_symlink() and ".so" in entry.name:
             links.setdefault(os.path.basename(os.readlink(entry.path)), []).append(entry.name)
     libdir = dest / "usr" / "lib" / MULTIARCH
     libdir.mkdir(parents=True, exist_ok=True)
     count = 0
-    for entry in sorted(os.scandir(source), key=lambda e: e.name):
+    for entry in listing:
         if count >= names:
             break
         if not (entry.name.startswith("lib") and ".so" in entry.name and entry.is_file(follow_symlinks=False)

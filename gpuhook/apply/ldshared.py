@@ -46,35 +46,36 @@ class Shared:
 
     def get(self, st: os.stat_result) -> LibraryInfo | object | None:
         """What was read of the file *st* is (None: not a library), or UNKNOWN."""
-        key = _KEY.pack(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        key = _key(st)
         for start in _slots(key):
             slot = self._region[start:start + SLOT]
-            crc, *fields = _ENTRY.unpack_from(slot)
-            if bytes(slot[4:4 + _KEY.size]) != key or crc != zlib.crc32(slot[4:]):
+            if slot[4:4 + _KEY.size] != key or _ENTRY.unpack_from(slot)[0] != zlib.crc32(slot[4:]):
                 continue
-            flags, isa_level, length = fields[4:]
+            flags, isa_level, length = _ENTRY.unpack_from(slot)[5:]
             if flags == _NOT_A_LIBRARY:
                 return None
-            soname = None if length == _NO_SONAME else bytes(slot[_ENTRY.size:_ENTRY.size + length])
-            return LibraryInfo(flags, soname, isa_level)
+            return LibraryInfo(flags, None if length == _NO_SONAME else slot[_ENTRY.size:_ENTRY.size + length],
+                               isa_level)
         return UNKNOWN
 
     def put(self, st: os.stat_result, info: LibraryInfo | None) -> None:
         """Keep what was read of the file *st* is (a SONAME too long for a slot is not kept)."""
-        if info is not None and info.soname is not None and len(info.soname) > _LONGEST_SONAME:
+        soname = info.soname if info is not None else None
+        if soname is not None and len(soname) > _LONGEST_SONAME:
             return
-        key = _KEY.pack(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        key = _key(st)
         first, second = _slots(key)
         free = (key, bytes(_KEY.size))  # this key's slot, or one never written
         start = first if self._region[first + 4:first + 4 + _KEY.size] in free else second
-        if info is None:
-            body = _ENTRY.pack(0, *_KEY.unpack(key), _NOT_A_LIBRARY, 0, _NO_SONAME)[4:]
-        else:
-            soname = info.soname or b""
-            body = _ENTRY.pack(0, *_KEY.unpack(key), info.flags, info.isa_level,
-                               _NO_SONAME if info.soname is None else len(soname))[4:] + soname
-        body = body.ljust(SLOT - 4, b"\0")
+        flags, isa_level = (_NOT_A_LIBRARY, 0) if info is None else (info.flags, info.isa_level)
+        body = (key + _ENTRY.pack(0, 0, 0, 0, 0, flags, isa_level, _NO_SONAME if soname is None else len(soname))
+                [4 + _KEY.size:] + (soname or b"")).ljust(SLOT - 4, b"\0")
         self._region[start:start + SLOT] = struct.pack("<I", zlib.crc32(body)) + body
+
+
+def _key(st: os.stat_result) -> bytes:
+    """A file's key: its inode number, size, mtime and ctime (not st_dev: the module docstring)."""
+    return _KEY.pack(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _slots(key: bytes) -> tuple[int, int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from integration.engines import (
 from integration.fakehost import FakeHost
 from integration.gpuhookd import Gpuhookd
 from integration.rootfs import build_rootfs, copy_rootfs, mount_image
+from integration.scratchfs import unmount
 
 REPO = Path(__file__).parents[2]
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
@@ -87,7 +87,7 @@ def make_container(tmp_path: Path, host: FakeHost, rootfs_src: Path) -> Iterator
 
     yield make
     for rootfs in mounted:
-        subprocess.run(["umount", str(rootfs)], check=True)
+        unmount(rootfs)
 
 
 @pytest.fixture(autouse=True)
