@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,39 @@ def resolve_config_path(explicit: str | None, env: Mapping[str, str], *, default
 def load_config(path: Path, *, required: bool) -> Config:
     """Read *path*; an absent optional file gives the defaults."""
     return read_config(path, required=required).config
+
+
+#: What read_config_unchanged read last, by (path, required): the file's identity then, and the result.
+_read_before: dict[tuple[Path, bool], tuple[tuple[int, ...] | None, LoadedConfig]] = {}
+#: A file changed this recently is read again each time: a rewrite in place within the filesystem's
+#: timestamp granularity could keep its size and times (git's "racy" index entries, the same rule).
+_SETTLED_NS: Final = 2_000_000_000
+
+
+def read_config_unchanged(path: Path, *, required: bool) -> LoadedConfig:
+    """``read_config``, answered again from memory while *path* is the same file with the same size and
+    times (gpuhookd loads its config for every request; an edit shows at the next one).
+
+    The file is stat'ed before it is read, so a change made meanwhile is read (under the older
+    identity) and seen as a change at the next call; a file changed in the last ``_SETTLED_NS`` is
+    not remembered at all.
+    """
+    try:
+        st = os.stat(path)
+        identity: tuple[int, ...] | None = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    except FileNotFoundError:
+        identity = None
+    except OSError:
+        return read_config(path, required=required)  # which says what is wrong
+    before = _read_before.get((path, required))
+    if before is not None and before[0] == identity:
+        return before[1]
+    loaded = read_config(path, required=required)
+    if identity is None or max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - _SETTLED_NS:
+        _read_before[(path, required)] = (identity, loaded)
+    else:
+        _read_before.pop((path, required), None)
+    return loaded
 
 
 def read_config(path: Path, *, required: bool, nvidia: bool | None = None) -> LoadedConfig:

@@ -27,7 +27,7 @@ from gpuhook.request.quick import GPU_MARKERS, asks_for_gpu
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
-    from typing import Any, BinaryIO
+    from typing import Any
 
 # What a stage does (see the module docstring).
 START = "start"
@@ -187,7 +187,8 @@ def relayed_hook_args(argv: Sequence[str]) -> HookArgs | None:
 
 def read_hook_call(args: HookArgs, env: Mapping[str, str], state_bytes: bytes, *, spec_bytes: bytes | None = None,
                    root_fd: int | None = None) -> HookCall:
-    """Check the environment and decode the state; for a start also config.json and whether it asks for a GPU.
+    """Check the environment and decode the state; for a start also config.json and whether it asks for a GPU
+    (a config.json without any of ``GPU_MARKERS`` asks for none and is not decoded: read_config_json's rule).
 
     *spec_bytes*: config.json as the caller already read it (the Python hook, handing over to
     gpuhookd); else it is read here, through *root_fd* when given (gpuhookd: the hook's root).
@@ -206,6 +207,8 @@ def read_hook_call(args: HookArgs, env: Mapping[str, str], state_bytes: bytes, *
         if spec_bytes is None:  # over the cap, and certainly no GPU: left untouched
             return call
     call.spec_bytes = spec_bytes
+    if not has_gpu_marker(spec_bytes):  # certainly no GPU (read_config_json's rule): nothing to decode
+        return call
     call.spec = strictjson.loads_object(call.spec_bytes, what=f"{call.bundle}/config.json",
                                         limit=strictjson.SPEC_LIMIT)
     call.asks_gpu = asks_for_gpu(call.spec)
@@ -359,37 +362,57 @@ def _read_config(bundle: str, limit: int, root_fd: int | None, *, oversize_ok: b
     """config.json's bytes; over *limit*: None if *oversize_ok* and no GPU marker is in it, else refused."""
     path = f"{bundle}/config.json"
     fd = _open_config_json(bundle, path, root_fd)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a directory with IsADirectoryError
-        os.close(fd)
-        raise SpecError(f"{path} is not a regular file")
-    with os.fdopen(fd, "rb") as handle:
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecError(f"{path} is not a regular file")
+        head = b""
         if st.st_size <= limit:
-            data = handle.read(limit + 1)
-            if len(data) <= limit or not oversize_ok:
-                return data  # one byte over: loads_object names the limit
-            handle.seek(0)
-        if oversize_ok and not _has_gpu_marker(handle):
+            # os.read, not a file object: one read of the size fstat gave (and one at EOF) is the whole cost
+            head = _read_up_to(fd, limit + 1, st.st_size)
+            if len(head) <= limit or not oversize_ok:
+                return head  # one byte over: loads_object names the limit
+        if oversize_ok and not _gpu_marker_in_file(fd, head):
             return None
-        raise SpecError(f"{path} is {max(st.st_size, limit + 1)} bytes; the limit is {limit}. A larger config.json "
-                        f"is read only when it asks for no GPU: at most {SCAN_LIMIT} bytes with none of "
-                        "NVIDIA_, CUDA_VERSION, nvidia-container-devices, cdi.k8s.io or a \\u escape in it")
+    finally:
+        os.close(fd)
+    raise SpecError(f"{path} is {max(st.st_size, limit + 1)} bytes; the limit is {limit}. A larger config.json "
+                    f"is read only when it asks for no GPU: at most {SCAN_LIMIT} bytes with none of "
+                    "NVIDIA_, CUDA_VERSION, nvidia-container-devices, cdi.k8s.io or a \\u escape in it")
 
 
-def _has_gpu_marker(handle: BinaryIO) -> bool:
-    """Whether the file's bytes hold one of ``GPU_MARKERS`` (or run past ``SCAN_LIMIT``), chunk by chunk."""
+def _read_up_to(fd: int, most: int, size_hint: int) -> bytes:
+    """At most *most* bytes from *fd*, to its end: first what its size says (plus one, to see the end)."""
+    chunks, got = [], 0
+    want = min(most, size_hint + 1)
+    while got < most:
+        chunk = os.read(fd, max(1, min(most - got, want)))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+        want = _SCAN_CHUNK  # a file that grew, or whose size says nothing (FUSE, procfs)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def has_gpu_marker(data: bytes) -> bool:
+    """Whether *data* holds one of ``GPU_MARKERS``: without any, a config.json certainly asks for no GPU."""
+    return any(marker in data for marker in GPU_MARKERS)
+
+
+def _gpu_marker_in_file(fd: int, head: bytes) -> bool:
+    """Whether the file holds one of ``GPU_MARKERS`` (or runs past ``SCAN_LIMIT``): *head*, its first
+    bytes, then the rest chunk by chunk, never held whole."""
     keep = max(len(m) for m in GPU_MARKERS) - 1  # a marker may straddle two chunks
-    tail = b""
-    scanned = 0
-    while scanned <= SCAN_LIMIT:
-        chunk = handle.read(_SCAN_CHUNK)
+    window, scanned = head, len(head)
+    while not has_gpu_marker(window):
+        if scanned > SCAN_LIMIT:
+            return True
+        chunk = os.read(fd, _SCAN_CHUNK)
         if not chunk:
             return False
         scanned += len(chunk)
-        window = tail + chunk
-        if any(m in window for m in GPU_MARKERS):
-            return True
-        tail = window[-keep:]
+        window = window[-keep:] + chunk
     return True
 
 
@@ -397,18 +420,14 @@ def _open_config_json(bundle: str, path: str, root_fd: int | None) -> int:
     """An O_RDONLY fd of *path* (``<bundle>/config.json``), opened without following a symlink or blocking."""
     if not bundle.startswith("/"):
         raise SpecError(f"the bundle {bundle!r} must be an absolute path")
+    # O_NOFOLLOW: never a symlink to a host file (the bundle's own path may hold links); O_NONBLOCK: a FIFO
+    # cannot hang the open.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         if root_fd is None:
-            bundle_fd = os.open(bundle, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        else:
-            from gpuhook.sys import pathrs  # ctypes: gpuhookd only, where it is preloaded
+            return os.open(path, flags)
+        from gpuhook.sys import pathrs  # ctypes: gpuhookd only, where it is preloaded
 
-            bundle_fd = pathrs.openat2(root_fd, bundle.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY,
-                                       pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS)
-        try:
-            # O_NOFOLLOW: never a symlink to a host file; O_NONBLOCK: a FIFO cannot hang the open.
-            return os.open("config.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=bundle_fd)
-        finally:
-            os.close(bundle_fd)
+        return pathrs.openat2(root_fd, path.lstrip("/"), flags, pathrs.RESOLVE_IN_ROOT | pathrs.RESOLVE_NO_MAGICLINKS)
     except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
         raise SpecError(f"cannot open {path}: {getattr(err, 'strerror', None) or err}") from err

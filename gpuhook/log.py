@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -156,7 +157,25 @@ def _open_log(path: Path | None) -> TextIO:
         return sys.stderr
 
 
+#: The log file the current stream writes (configure_logging), while it is a file of ours.
+_log_path: Path | None = None
+
+
+def _still_open(path: Path | None) -> TextIO | None:
+    """The current stream when it writes *path* and *path* still names its file (gpuhookd configures
+    logging for every request: a log that was rotated or removed is opened again)."""
+    stream = _log._stream
+    if stream is None or stream is sys.stderr or path is None or path != _log_path:
+        return None
+    try:
+        ours, named = os.fstat(stream.fileno()), os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return stream if (ours.st_dev, ours.st_ino) == (named.st_dev, named.st_ino) else None
+
+
 def configure_logging(path: Path | None, level: str) -> None:
-    """Send events at *level* and above to *path*."""
-    global _log  # noqa: PLW0603 - the one process-wide log, set once by the CLI
-    _log = EventLog(_open_log(path), level)
+    """Send events at *level* and above to *path* (a fresh log: no context bound before)."""
+    global _log, _log_path  # the one process-wide log, set by every load_settings
+    stream = _still_open(path) or _open_log(path)
+    _log, _log_path = EventLog(stream, level), path

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from gpuhook import catalog
 from gpuhook.apply import (ChildForkedAhead, ContainerRef, HostLdconfig, grant_device_access, hint_rootfs,
                            opened_container, start_rootfs_changes)
-from gpuhook.config import Config, HealthPolicy, load_config, read_config, resolve_config_path
+from gpuhook.config import Config, HealthPolicy, load_config, read_config_unchanged, resolve_config_path
 from gpuhook.discovery import Found, Outcome, inventory_for
 from gpuhook.discovery.container import is_debian_like, rootfs_identity
 from gpuhook.errors import DiscoveryError, GpuHookError, MissingNodeError, PolicyError, SpecError, StateError
@@ -99,7 +99,7 @@ class Placement:
 def load_settings(config_arg: str | None, debug: bool, env: Mapping[str, str]) -> Config:
     """Load the config and set up logging (debug forces the debug level): every front-end's first step."""
     path, required = resolve_config_path(config_arg, env)
-    loaded = read_config(path, required=required)
+    loaded = read_config_unchanged(path, required=required)
     config = loaded.config
     configure_logging(config.log_file, "debug" if debug else config.log_level.value)
     for notice in loaded.notices:  # `gpuhook doctor` and `config import` show them; a start only at debug

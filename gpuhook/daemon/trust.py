@@ -90,9 +90,10 @@ def check_caller(peer: Peer, fds: Sequence[int]) -> str:
 def _check(pid: int, fds: Sequence[int]) -> str:
     """The namespace, capability and view checks of the module docstring, against ``/proc/<pid>``."""
     proc = f"/proc/{pid}"
+    theirs = {name: _identity(os.stat(f"{proc}/ns/{name}")) for name in NAMESPACES}
     for name, why in (("user", "its capabilities would not be the daemon's"),
                       ("pid", "the OCI state's pid would name another process here")):
-        if _identity(os.stat(f"{proc}/ns/{name}")) != _identity(os.stat(f"/proc/self/ns/{name}")):
+        if theirs[name] != _identity(os.stat(f"/proc/self/ns/{name}")):
             return f"the hook runs in another {name} namespace than gpuhookd; {why}"
     lacking = _lacking(_effective_caps(proc))
     if lacking:
@@ -100,7 +101,7 @@ def _check(pid: int, fds: Sequence[int]) -> str:
                 "do the work itself (run the hook as the runtime runs it, with full root capabilities)")
     *namespaces, root = fds
     for name, fd in zip(NAMESPACES, namespaces, strict=True):
-        if _identity(os.fstat(fd)) != _identity(os.stat(f"{proc}/ns/{name}")):
+        if _identity(os.fstat(fd)) != theirs[name]:
             return f"the {name} namespace fd the hook sent is not its own {name} namespace (pid {pid})"
     if _identity(os.fstat(root)) != _identity(os.stat(f"{proc}/root")):
         return f"the root fd the hook sent is not its own root (pid {pid})"
@@ -108,12 +109,16 @@ def _check(pid: int, fds: Sequence[int]) -> str:
 
 
 def _effective_caps(proc: str) -> int:
-    """The ``CapEff`` mask in ``<proc>/status``."""
-    with open(f"{proc}/status", "rb") as status:
-        for line in status:
-            if line.startswith(b"CapEff:"):
-                return int(line.split()[1], 16)
-    raise OSError(0, "no CapEff line in its status")
+    """The ``CapEff`` mask in ``<proc>/status`` (read raw: this runs for every container start)."""
+    fd = os.open(f"{proc}/status", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        status = os.read(fd, 1 << 16)  # ~1.5 KiB; procfs gives a read this size the whole file
+    finally:
+        os.close(fd)
+    start = status.find(b"\nCapEff:")
+    if start < 0:
+        raise OSError(0, "no CapEff line in its status")
+    return int(status[start + 8 : status.index(b"\n", start + 8)], 16)
 
 
 def _lacking(caps: int) -> list[str]:

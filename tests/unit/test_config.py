@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuhook.config import DEFAULT_PATH, Config, HealthPolicy, LogLevel, load_config, parse_config, resolve_config_path
+from gpuhook import config as config_module
+from gpuhook.config import (
+    DEFAULT_PATH,
+    Config,
+    HealthPolicy,
+    LogLevel,
+    load_config,
+    parse_config,
+    read_config_unchanged,
+    resolve_config_path,
+)
 from gpuhook.errors import ConfigError
 
 SHIPPED = Path(__file__).parents[2] / "config" / "gpuhook.yaml"
@@ -199,3 +210,38 @@ def test_a_state_dir_in_dev_shm_is_refused_only_with_mps_and_through_a_symlink_t
     link.symlink_to("/dev/shm")
     with pytest.raises(ConfigError, match=f"state_dir '{link}' is in /dev/shm \\(/dev/shm\\)"):
         parse_config(f"state_dir: {link}\ngpus:\n  - {{device: 0, sharing: mps, replicas: 2}}\n")
+
+
+def test_an_unchanged_config_is_read_once_and_any_change_is_read(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpuhookd loads its config per request: the same file gives the same answer without a read; a
+    rewrite in place (same size, the old mtime put back), a replacement or a removal is read."""
+    monkeypatch.setattr(config_module, "_SETTLED_NS", 0)  # every file is settled: what is remembered shows
+    path = tmp_path / "gpuhook.yaml"
+    path.write_text("log_level: debug\n")
+    first = read_config_unchanged(path, required=True)
+    assert read_config_unchanged(path, required=True) is first
+    mtime = path.stat().st_mtime_ns
+    path.write_text("log_level: error\n")  # same size, same inode
+    os.utime(path, ns=(mtime, mtime))
+    assert read_config_unchanged(path, required=True).config.log_level is LogLevel.ERROR
+    replacement = tmp_path / "new.yaml"
+    replacement.write_text("log_level: warning\n")
+    replacement.replace(path)
+    assert read_config_unchanged(path, required=True).config.log_level is LogLevel.WARNING
+    path.unlink()
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_config_unchanged(path, required=True)
+    assert read_config_unchanged(path, required=False).config == Config()
+
+
+def test_a_config_changed_just_now_is_never_remembered(tmp_path: Path) -> None:
+    """Within the timestamp granularity an in-place rewrite can keep size and times: such a file is read
+    every time (git's rule for racy index entries)."""
+    path = tmp_path / "gpuhook.yaml"
+    path.write_text("log_level: debug\n")
+    before = path.stat()
+    assert read_config_unchanged(path, required=True).config.log_level is LogLevel.DEBUG
+    path.write_text("log_level: error\n")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert read_config_unchanged(path, required=True).config.log_level is LogLevel.ERROR

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuhook import hookcall
 from gpuhook.errors import SpecError, UnsafeEnvironmentError
 from gpuhook.hookcall import (
     _SCAN_CHUNK,
@@ -112,9 +113,11 @@ def test_a_marker_across_a_chunk_boundary_is_found(tmp_path: Path) -> None:
         read_start_config(str(bundle), limit=SPEC_LIMIT)
 
 
+@pytest.mark.parametrize("through_root", [False, True], ids=["own-root", "hook-root-fd"])
 @pytest.mark.parametrize("kind", ["directory", "fifo", "symlink"])
-def test_an_unusable_config_json_is_a_clean_refusal(tmp_path: Path, kind: str) -> None:
-    """A directory, FIFO or symlink at config.json: SpecError, never IsADirectoryError or a hang."""
+def test_an_unusable_config_json_is_a_clean_refusal(tmp_path: Path, kind: str, through_root: bool) -> None:
+    """A directory, FIFO or symlink at config.json: SpecError, never IsADirectoryError or a hang (read
+    from our root, or as gpuhookd reads it, through the hook's root fd)."""
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     path = bundle / "config.json"
@@ -125,9 +128,45 @@ def test_an_unusable_config_json_is_a_clean_refusal(tmp_path: Path, kind: str) -
     else:
         (tmp_path / "real.json").write_text(json.dumps(NO_GPU))
         path.symlink_to(tmp_path / "real.json")
-    for read in (read_config_json, read_start_config):
-        with pytest.raises(SpecError, match=r"config\.json"):
-            read(str(bundle), limit=SPEC_LIMIT)
+    root_fd = os.open("/", os.O_PATH | os.O_DIRECTORY) if through_root else None
+    try:
+        for read in (read_config_json, read_start_config):
+            with pytest.raises(SpecError, match=r"config\.json"):
+                read(str(bundle), limit=SPEC_LIMIT, root_fd=root_fd)
+    finally:
+        if root_fd is not None:
+            os.close(root_fd)
+
+
+@pytest.mark.parametrize("shape", [
+    pytest.param('{"ociVersion": "1.0.2", "ociVersion": "1.0.2"%s}', id="duplicate-keys"),
+    pytest.param('{"x": NaN%s}', id="nan"),
+    pytest.param('{"a": 1%s} {}', id="trailing-data"),
+])
+def test_a_config_without_a_gpu_marker_is_no_gpu_whatever_its_shape(tmp_path: Path, shape: str) -> None:
+    """No marker (read_config_json's rule): a no-GPU start, nothing decoded; the same shape with a GPU
+    request in it goes to the strict parser, which refuses it."""
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(shape % "")
+    assert _start(bundle) is False
+    (bundle / "config.json").write_text(shape % ', "env": ["NVIDIA_VISIBLE_DEVICES=0"]')
+    with pytest.raises(SpecError, match=r"config\.json is not valid JSON"):
+        _start(bundle)
+
+
+def test_a_config_json_is_read_to_its_end_whatever_its_size_says() -> None:
+    """The first read takes what fstat said (plus one, to see the end); a file that says less (FUSE,
+    one that grew) is read on to its end, or to the most asked for."""
+    read_fd, write_fd = os.pipe()  # a pipe's size is 0
+    data = bytes(range(256)) * 16
+    with os.fdopen(write_fd, "wb") as writer:
+        writer.write(data)  # 4 KiB: what a pipe holds without a reader
+    try:
+        assert hookcall._read_up_to(read_fd, 100, 0) == data[:100]
+        assert hookcall._read_up_to(read_fd, 1 << 20, 0) == data[100:]
+    finally:
+        os.close(read_fd)
 
 
 # --- lease_may_exist: the poststop's no-lease fast path ----------------------------------------------

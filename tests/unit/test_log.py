@@ -84,3 +84,25 @@ def test_bounded_leaves_short_text_alone() -> None:
     """Text within the limit is unchanged; longer text says exactly how much was cut."""
     assert bounded("abc", 3) == "abc"
     assert bounded("abcdef", 3) == "abc…(3 more)"
+
+
+def test_configuring_again_keeps_the_open_log_until_it_is_rotated(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpuhookd configures logging for every request: the open file is kept (no context carried over)
+    while its path names it; once the log is moved away (logrotate) events go to a new file there."""
+    for name in ("_log", "_log_path"):  # the process's log as it was, after the test
+        monkeypatch.setattr(logmod, name, getattr(logmod, name))
+    path = tmp_path / "gpuhook.log"
+    logmod.configure_logging(path, "info")
+    stream = logmod.get_logger()._stream
+    logmod.get_logger().bind(container_id="first")
+    logmod.configure_logging(path, "info")
+    assert logmod.get_logger()._stream is stream
+    logmod.get_logger().info("second_event")
+    path.rename(tmp_path / "gpuhook.log.1")
+    logmod.configure_logging(path, "info")
+    assert logmod.get_logger()._stream is not stream
+    logmod.get_logger().info("after_rotation")
+    rotated = [json.loads(line) for line in (tmp_path / "gpuhook.log.1").read_text().splitlines()]
+    assert [(e["event"], e.get("container_id")) for e in rotated] == [("second_event", None)]
+    assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["after_rotation"]

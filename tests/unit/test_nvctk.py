@@ -17,11 +17,13 @@ import yaml
 
 from gpuhook.cli import cdi, configcmd, nvctk
 from gpuhook.cli.enginecheck import hooks_view, is_gpuhooks
+from gpuhook.cli.install import runtime_program
 from gpuhook.doctor import EngineView, Verdict, containerd_runtimes, docker_runtimes, registration_checks
 from gpuhook.install import changes
 from integration.fakehost import FakeHost
 
-RUNTIME = str(Path(sys.executable).parent / "gpuhook-runtime")
+#: This installation's runc wrapper: libexec's C front-end where `make relay` built it, else bin's Python one.
+RUNTIME = str(runtime_program(Path(sys.executable).parent))
 PACKAGING = Path(__file__).parents[2] / "packaging"
 
 
