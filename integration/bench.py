@@ -8,7 +8,9 @@ upper layer), on a journaled ext4 of its own (``integration.scratchfs`` says why
 run a CUDA runtime-sized image (``library_image``: the host's own libraries) on overlayfs, as
 engines mount an image. Scenarios are interleaved round-robin, after one untimed warm-up round that
 also builds each host's inventory cache, so drift on a noisy VM hits all of them alike, and a ratio
-is the median over rounds of a run's time ÷ bare runc's in the same round. Wall time is
+is the median over rounds of a run's time ÷ bare runc's in the same round. The rows whose targets
+are a few percent of a start (no GPU, its poststop, the no-op hooks: ``Scenario.close``) and bare
+runc then run ``CLOSE_FACTOR`` − 1 times as many rounds again, of just them. Wall time is
 ``integration.engines.run_container``'s ``duration_s``: the whole ``runc run`` plus the rig's
 sub-millisecond leftover check.
 
@@ -84,6 +86,10 @@ IMAGE_LIBRARIES = 200
 #: timed runs per scenario: a run here varies by ±20% (bare runc 28–50 ms in one bench), so a median of
 #: 15 moved a ratio by ~0.1 from one bench to the next; 40 about halve that (a bench: under 3 minutes)
 RUNS = 40
+#: The rows whose targets sit within a few percent of bare runc (``Scenario.close``) and bare runc itself get
+#: this many times the runs, in extra rounds of just them: bare runc alone spans 24–51 ms in 80 runs here, so
+#: a median of 40 moves a ratio by ±0.05 (a 1.1 target is 3.5 ms); 200 runs bring that near ±0.02.
+CLOSE_FACTOR = 5
 INSTRUMENTED_RUNS = 5
 IMPORTTIME_RUNS = 5
 
@@ -132,6 +138,8 @@ class Scenario:
     #: the rootfs is this image on overlayfs (a fresh upper layer per run, as engines mount images),
     #: not a copy of the small test rootfs
     image: Path | None = None
+    #: a row whose target is a few percent of a start: it gets CLOSE_FACTOR times the runs (as bare runc does)
+    close: bool = False
 
 
 @dataclass(slots=True)
@@ -302,7 +310,7 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
 
     return [
         Scenario("bare", "bare runc (no hook)"),
-        Scenario("no-gpu", "hook, container asks for no GPU", hosts[8], hook_argv=hook(cfg[8])),
+        Scenario("no-gpu", "hook, container asks for no GPU", hosts[8], hook_argv=hook(cfg[8]), close=True),
         Scenario("gpu1", "hook, 1 GPU, compute,utility", hosts[1], gpus(COMPUTE), hook(cfg[1]), cached=True),
         Scenario("gpu8", "hook, 8 GPUs, compute,utility", hosts[8], gpus(COMPUTE), hook(cfg[8]), cached=True),
         Scenario("gpu64", "hook, 64 GPUs, compute,utility", hosts[64], gpus(COMPUTE), hook(cfg[64]), cached=True),
@@ -319,7 +327,7 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
         Scenario("gpu8-nolease", "hook, 8 GPUs, compute,utility, leases off (state_dir: null)", hosts[8],
                  gpus(COMPUTE), hook(no_leases), cached=True),
         Scenario("no-gpu-poststop", "hook for prestart and poststop, container asks for no GPU", hosts[8],
-                 hook_argv=hook(cfg[8]), poststop=True),
+                 hook_argv=hook(cfg[8]), poststop=True, close=True),
         Scenario("no-gpu-metrics", "hook, container asks for no GPU, gpuhookd's metrics endpoint on", hosts[8],
                  hook_argv=hook(with_metrics)),
         Scenario("gpu8-metrics", "hook, 8 GPUs, compute,utility, gpuhookd's metrics endpoint on (scraped)", hosts[8],
@@ -345,9 +353,10 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
         Scenario("static8", "static floor: 8 GPUs' devices + mounts in config.json, no hook", hosts[8],
                  static=static_floor(python, cfg[8], gpus(COMPUTE), rootfs_src, work)),
         Scenario("hook-floor", "reference: hook = busybox `true`, a static no-op (what running any hook costs runc)",
-                 hook_argv=(shutil.which("busybox") or "/bin/busybox", "true")),
+                 hook_argv=(shutil.which("busybox") or "/bin/busybox", "true"), close=True),
         Scenario("hook-floor-poststop", "reference: busybox `true` as the prestart and the poststop hook (what two "
-                 "hooks cost runc)", hook_argv=(shutil.which("busybox") or "/bin/busybox", "true"), poststop=True),
+                 "hooks cost runc)", hook_argv=(shutil.which("busybox") or "/bin/busybox", "true"), poststop=True,
+                 close=True),
         Scenario("python-floor", "reference: hook = `python -I -c pass` (interpreter floor)",
                  hook_argv=(str(python), "-I", "-c", "pass")),
         Scenario("no-gpu-python", "reference: Python hook, no GPU (no daemon involved)", hosts[8],
@@ -458,6 +467,8 @@ def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work:
             if scenario.held:
                 holders.enter_context(holding(scenario, rootfs_src, work / f"holder-{scenario.name}"))
         _timed_rounds(scenarios, specs, samples, rootfs_src, runs, bundle)
+        close = [s for s in scenarios if s.close or s.name == "bare"]
+        _timed_rounds(close, specs, samples, rootfs_src, runs * (CLOSE_FACTOR - 1), bundle, warm_up=False)
         _instrumented_runs(scenarios, samples, python, rootfs_src, work, bundle)
     for scenario in (s for s in scenarios if s.held):  # what such a row is for: starts that find their daemon up
         daemons = {logged.get("mps_daemon_pid") for logged in samples[scenario.name].log_ms}
@@ -494,8 +505,9 @@ def holding(scenario: Scenario, rootfs_src: Path, bundle: Path) -> Iterator[None
 
 
 def _timed_rounds(scenarios: Sequence[Scenario], specs: dict[str, dict[str, Any]], samples: dict[str, Samples],
-                  rootfs_src: Path, runs: int, bundle: Path) -> None:
-    for round_no in range(runs + 1):
+                  rootfs_src: Path, runs: int, bundle: Path, *, warm_up: bool = True) -> None:
+    first = 0 if warm_up else 1
+    for round_no in range(first, runs + 1):
         # Round-robin, starting one scenario later each round, so none always follows the same one.
         for k in range(len(scenarios)):
             scenario = scenarios[(round_no + k) % len(scenarios)]
@@ -505,7 +517,7 @@ def _timed_rounds(scenarios: Sequence[Scenario], specs: dict[str, dict[str, Any]
                 samples[scenario.name].nvml_calls.append(calls)
                 if logged:
                     samples[scenario.name].log_ms.append(logged)
-        print(f"  round {round_no}/{runs} done", file=sys.stderr, flush=True)
+        print(f"  round {round_no}/{runs} of {len(scenarios)} scenarios done", file=sys.stderr, flush=True)
 
 
 def _instrumented_runs(scenarios: Sequence[Scenario], samples: dict[str, Samples], python: Path, rootfs_src: Path,
@@ -566,7 +578,8 @@ def summarise(scenarios: Sequence[Scenario], samples: dict[str, Samples]) -> dic
             "runs": len(got.wall_ms),
             "median_ms": round(median, 2),
             "p90_ms": round(p90(got.wall_ms), 2),
-            "ratio_vs_bare": round(paired_ratio(got.wall_ms, bare), 3),
+            # the rounds this row ran in are bare runc's first ones (a close row: all of them)
+            "ratio_vs_bare": round(paired_ratio(got.wall_ms, bare[: len(got.wall_ms)]), 3),
             "hook_ms_median": round(statistics.median(got.hook_ms), 2) if got.hook_ms else None,
             "relay_outside_ms_median": round(statistics.median(got.outside_ms), 2) if got.outside_ms else None,
             "hook_peak_rss_mib": round(max(got.maxrss_kib) / 1024, 1) if got.maxrss_kib else None,
@@ -688,9 +701,9 @@ def machine() -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     """The results table and the targets, as Markdown."""
     lines = [
-        "| scenario | median ms | p90 ms | × bare runc | hook ms | in hook: discovery / lease / apply / total ms "
-        "| peak RSS MiB: hook / gpuhookd worker | NVML calls/start |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| scenario | runs | median ms | p90 ms | × bare runc | hook ms "
+        "| in hook: discovery / lease / apply / total ms | peak RSS MiB: hook / gpuhookd worker | NVML calls/start |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["scenarios"].values():
         hook = "–" if r["hook_ms_median"] is None else f"{r['hook_ms_median']:.1f}"
@@ -704,8 +717,8 @@ def markdown(report: dict[str, Any]) -> str:
         if r["worker_peak_rss_mib"] is not None:
             rss += f" / {r['worker_peak_rss_mib']:.1f}"
         calls = "–" if r["nvml_calls_per_start"] is None else f"{r['nvml_calls_per_start']:g}"
-        lines.append(f"| {r['title']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['ratio_vs_bare']:.2f} "
-                     f"| {hook} | {steps} | {rss} | {calls} |")
+        lines.append(f"| {r['title']} | {r['runs']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} "
+                     f"| {r['ratio_vs_bare']:.2f} | {hook} | {steps} | {rss} | {calls} |")
     lines += ["", *profile_lines(report["scenarios"])]
     lines += ["", "| target | measured | met |", "|---|---:|:---:|"]
     lines += [f"| {t['target']} | {t['value']:g} | {'yes' if t['met'] else '**no**'} |" for t in report["targets"]]
@@ -829,7 +842,9 @@ def run_scenarios(python: Path, relay: Path, rootfs_src: Path, runs: int,
 
     try:
         scenarios = make_scenarios(python, relay, rootfs_src, WORK, daemon_for)
-        print(f"running {len(scenarios)} scenarios × {runs} runs, interleaved", file=sys.stderr)
+        close = sum(s.close for s in scenarios) + 1
+        print(f"running {len(scenarios)} scenarios × {runs} runs, interleaved; then {close} of them (bare runc and "
+              f"the close rows) × {runs * (CLOSE_FACTOR - 1)} more", file=sys.stderr)
         stop_scraping = threading.Event()
         scraper = threading.Thread(target=scrape_every_second, args=(stop_scraping,), daemon=True)
         scraper.start()
