@@ -197,9 +197,7 @@ def read_config_unchanged(path: Path, *, required: bool) -> LoadedConfig:
     loaded = read_config(path, required=required)
     if identity is None or max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - _SETTLED_NS:
         _read_before[(path, required)] = (identity, loaded)
-    else:
-        _read_before.pop((path, required), None)
-    return loaded
+    return loaded  # an older entry left behind names an identity the file can no longer have (ctime moved)
 
 
 def read_config(path: Path, *, required: bool, nvidia: bool | None = None) -> LoadedConfig:

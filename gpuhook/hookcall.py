@@ -386,7 +386,7 @@ def _read_up_to(fd: int, most: int, size_hint: int) -> bytes:
     chunks, got = [], 0
     want = min(most, size_hint + 1)
     while got < most:
-        chunk = os.read(fd, max(1, min(most - got, want)))
+        chunk = os.read(fd, min(most - got, want))  # want >= 1: size_hint >= 0
         if not chunk:
             break
         chunks.append(chunk)

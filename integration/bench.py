@@ -9,8 +9,8 @@ run a CUDA runtime-sized image (``library_image``: the host's own libraries) on 
 engines mount an image. Scenarios are interleaved round-robin, after one untimed warm-up round that
 also builds each host's inventory cache, so drift on a noisy VM hits all of them alike, and a ratio
 is the median over rounds of a run's time ÷ bare runc's in the same round. The rows whose targets
-are a few percent of a start (no GPU, its poststop, the no-op hooks: ``Scenario.close``) and bare
-runc then run ``CLOSE_FACTOR`` − 1 times as many rounds again, of just them. Wall time is
+are a few percent of a start (no GPU, its poststop, the no-op hooks) and bare runc (``Scenario.close``)
+then run ``CLOSE_FACTOR`` − 1 times as many rounds again, of just them. Wall time is
 ``integration.engines.run_container``'s ``duration_s``: the whole ``runc run`` plus the rig's
 sub-millisecond leftover check.
 
@@ -138,7 +138,7 @@ class Scenario:
     #: the rootfs is this image on overlayfs (a fresh upper layer per run, as engines mount images),
     #: not a copy of the small test rootfs
     image: Path | None = None
-    #: a row whose target is a few percent of a start: it gets CLOSE_FACTOR times the runs (as bare runc does)
+    #: a row whose target is a few percent of a start, or bare runc, their reference: CLOSE_FACTOR times the runs
     close: bool = False
 
 
@@ -309,7 +309,7 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
         return ("NVIDIA_VISIBLE_DEVICES=all", f"NVIDIA_DRIVER_CAPABILITIES={caps}")
 
     return [
-        Scenario("bare", "bare runc (no hook)"),
+        Scenario("bare", "bare runc (no hook)", close=True),
         Scenario("no-gpu", "hook, container asks for no GPU", hosts[8], hook_argv=hook(cfg[8]), close=True),
         Scenario("gpu1", "hook, 1 GPU, compute,utility", hosts[1], gpus(COMPUTE), hook(cfg[1]), cached=True),
         Scenario("gpu8", "hook, 8 GPUs, compute,utility", hosts[8], gpus(COMPUTE), hook(cfg[8]), cached=True),
@@ -467,7 +467,7 @@ def measure(scenarios: Sequence[Scenario], python: Path, rootfs_src: Path, work:
             if scenario.held:
                 holders.enter_context(holding(scenario, rootfs_src, work / f"holder-{scenario.name}"))
         _timed_rounds(scenarios, specs, samples, rootfs_src, runs, bundle)
-        close = [s for s in scenarios if s.close or s.name == "bare"]
+        close = [s for s in scenarios if s.close]
         _timed_rounds(close, specs, samples, rootfs_src, runs * (CLOSE_FACTOR - 1), bundle, warm_up=False)
         _instrumented_runs(scenarios, samples, python, rootfs_src, work, bundle)
     for scenario in (s for s in scenarios if s.held):  # what such a row is for: starts that find their daemon up
@@ -842,7 +842,7 @@ def run_scenarios(python: Path, relay: Path, rootfs_src: Path, runs: int,
 
     try:
         scenarios = make_scenarios(python, relay, rootfs_src, WORK, daemon_for)
-        close = sum(s.close for s in scenarios) + 1
+        close = sum(s.close for s in scenarios)
         print(f"running {len(scenarios)} scenarios × {runs} runs, interleaved; then {close} of them (bare runc and "
               f"the close rows) × {runs * (CLOSE_FACTOR - 1)} more", file=sys.stderr)
         stop_scraping = threading.Event()
