@@ -135,7 +135,8 @@ def test_config_json_is_read_in_the_hooks_view(host: FakeHost, daemon: Gpuhookd,
     there: the daemon reads that config.json, not the file at the same path in its own view."""
     shared = tmp_path / "view"
     (shared / "bundle").mkdir(parents=True)
-    (shared / "bundle" / "config.json").write_text("not the hook's config.json")  # the daemon's view
+    # the daemon's view: not JSON, and with a GPU marker in it, so that it is decoded (and refused)
+    (shared / "bundle" / "config.json").write_text("not the hook's config.json: NVIDIA_VISIBLE_DEVICES")
     private = tmp_path / "private-config.json"
     spec: dict[str, Any] = default_spec("rootfs", ["true"], ["PATH=/bin"])
     write_bundle(tmp_path / "private", spec)
