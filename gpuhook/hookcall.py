@@ -263,14 +263,16 @@ def _plain(container_id: str) -> bool:
 
 
 def _read_small(path: str, missing: bytes | None, *, limit: int = 1 << 20) -> bytes | None:
-    """At most *limit* bytes of *path* (-1: all); *missing* if it does not exist; None if it cannot be read."""
+    """All of *path* if it has at most *limit* bytes (-1: any size); *missing* if it does not exist; None if
+    it cannot be read or is longer (its first MiB could hide the state_dir line that follows)."""
     try:
         with open(path, "rb") as handle:
-            return handle.read(limit)
+            data = handle.read(limit if limit < 0 else limit + 1)
     except FileNotFoundError:
         return missing
     except OSError:
         return None
+    return data if limit < 0 or len(data) <= limit else None
 
 
 def _flat_state_dir(text: bytes) -> str | None:
@@ -279,8 +281,9 @@ def _flat_state_dir(text: bytes) -> str | None:
 
     Certain means: every line that starts at the left margin is a comment or begins with a
     lower-case key (so no quoted or escaped key, directive, document marker or flow mapping can
-    name state_dir), no backslash anywhere, and at most one ``state_dir:`` line, whose plain value
-    the next line does not continue (an indented or blank line after it could).
+    name state_dir), no backslash anywhere, and at most one ``state_dir:`` line (then a space or its
+    end), whose plain value the next line does not continue (an indented or blank line after it could).
+    relay/lease_check.h ports this; tests/unit/test_relay_poststop.py holds the two to the same answers.
     """
     lines = text.splitlines()
     if b"\\" in text or not all(_starts_plainly(line, comment_ok=True) for line in lines):
@@ -290,6 +293,7 @@ def _flat_state_dir(text: bytes) -> str | None:
         return DEFAULT_STATE_DIR
     at = found[0]
     if (len(found) != 1 or text.count(b"state_dir") != 1 or not lines[at].startswith(b"state_dir:")
+            or lines[at][10:11] not in (b"", b" ")  # `state_dir:/x` is one scalar, not a key and its value
             or (at + 1 < len(lines) and not _starts_plainly(lines[at + 1], comment_ok=False))):
         return None
     return _plain_path(lines[at][len(b"state_dir:"):].partition(b" #")[0].strip(b" "))
@@ -308,9 +312,10 @@ def _plain_path(value: bytes) -> str | None:
         value = value[1:-1]
     if value in (b"", b"~", b"null", b"Null", b"NULL"):  # empty: the next line is no block (checked)
         return ""
-    if not value.startswith(b"/") or any(c in value for c in b"\"'#:{}[],&*!|>%@`\t"):
-        return None  # a tag, an alias, a flow, a relative path: the full load reads (or refuses) it
-    return value.decode("utf-8", "replace")
+    if (not value.startswith(b"/") or any(c in value for c in b"\"'#:{}[],&*!|>%@`")
+            or any(c < 0x20 or c >= 0x7F for c in value)):
+        return None  # a tag, an alias, a flow, a relative path, a control or non-ASCII byte: the full load decides
+    return value.decode()
 
 
 def read_bounded(fd: int, *, limit: int, timeout: float = STDIN_TIMEOUT, what: str = STATE_WHAT) -> bytes:

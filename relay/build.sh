@@ -21,8 +21,9 @@ hardening="-fstack-protector-strong -fstack-clash-protection"
 case "$($cc -dumpmachine)" in
     x86_64-* | i?86-*) hardening="$hardening -fcf-protection" ;;  # CET: an x86 option only
 esac
-# shellcheck disable=SC2086  # $hardening: several words
-$cc -static -O2 -std=c11 -D_GNU_SOURCE -D_FORTIFY_SOURCE=2 -DGPUHOOK_VERSION="\"$version\"" \
+# RELAY_DEFINES: -D options tests build a copy with (the default paths compiled in, moved to a temporary directory).
+# shellcheck disable=SC2086  # $hardening, $RELAY_DEFINES: several words
+$cc -static -O2 -std=c11 -D_GNU_SOURCE -D_FORTIFY_SOURCE=2 -DGPUHOOK_VERSION="\"$version\"" ${RELAY_DEFINES:-} \
     -Wall -Wextra -Werror -Wshadow -Wformat=2 -Wconversion -Wno-sign-conversion \
     $hardening \
     -Wl,-z,relro,-z,now,-z,noexecstack \

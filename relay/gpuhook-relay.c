@@ -5,7 +5,8 @@
  * each start, so this static program does only the hook's first steps: it checks its
  * environment, reads the OCI state from stdin and forwards its argv, environment and state,
  * with fds of its namespaces and root, to gpuhookd (a `relay` request; see
- * gpuhook/daemon/wire.py and client.py). It parses no JSON: the daemon does all the work.
+ * gpuhook/daemon/wire.py and client.py), which does all the work. One answer it gives itself: a
+ * poststop of a container that certainly holds no lease exits 0 (lease_check.h), as the Python hook would.
  *
  * Whenever the daemon cannot have started the work (no socket, a backlog that stays full, a
  * server that is not root, a failed or timed-out send, a `declined` reply), it runs the Python
@@ -32,6 +33,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "lease_check.h"
 #include "runtime_exec.h"
 
 #ifndef GPUHOOK_VERSION
@@ -238,6 +240,13 @@ static char *entry_of(const char *name)
         if (strchr(*e, '=') && name_cmp(*e, name) == 0)
             return *e;
     return NULL;
+}
+
+/* GPUHOOK_CONFIG's value, as the Python hook reads it (NULL: unset). */
+static const char *config_variable(void)
+{
+    const char *entry = entry_of("GPUHOOK_CONFIG");
+    return entry ? strchr(entry, '=') + 1 : NULL;
 }
 
 static char **fallback_environment(void)
@@ -613,6 +622,8 @@ int main(int argc, char **argv)
     if (strcmp(path, "none") == 0 || path[0] != '/')
         fallback(argv);
     read_state();
+    if (no_lease(argc, argv, command, state, state_len, STATE_LIMIT, config_variable()))
+        return 0;  /* most poststops: nothing to release, no round trip */
     if (connect_daemon(path) || send_request(argv))
         fallback(argv);
     receive_reply(path);

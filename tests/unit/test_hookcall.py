@@ -280,6 +280,10 @@ def test_the_config_is_found_as_the_full_load_finds_it(tmp_path: Path) -> None:
     pytest.param("state_dir: {dir}\n# state_dir used to be elsewhere\n", id="also-in-a-comment"),
     pytest.param("state_dir: {dir}\t# tab before the comment\n", id="tab"),
     pytest.param("log_file: /var/log/state_dir.log\n", id="in-another-value"),
+    pytest.param("state_dir:{dir}\n", id="no-space-after-the-colon"),  # one scalar: the full load refuses it
+    pytest.param("state_dir: {dir}\u00e9\n", id="not-ascii"),
+    pytest.param("state_dir: {dir}\x01\n", id="control-byte"),
+    pytest.param("# pad\n" * 200_000 + "state_dir: {dir}\n", id="over-1-MiB"),  # not just its first MiB
 ])
 def test_shapes_it_cannot_read_go_to_the_full_path(tmp_path: Path, text: str) -> None:
     """Anything but one plain top-level state_dir line: "may exist" (the full config load decides), even where the

@@ -1,0 +1,296 @@
+"""The relay's own poststop answer (relay/lease_check.h): a container no lease names exits 0, no gpuhookd.
+
+It is the Python hook's fast path (hookcall.lease_may_exist) ported to C, so the Python function is the
+oracle: over the same configs, ledgers, ids and states, the relay answers itself exactly where the
+Python hook would (configs), and never where the Python hook would read the state otherwise or fail on it
+(states: the relay may be stricter, and then gpuhookd answers). The relay is built with its default paths
+(/etc/gpuhook/config.yaml, NVIDIA's config.toml, /run/gpuhook) moved into a temporary directory; a fake
+gpuhookd answers every request it gets with status 7, so 0 means "answered by the relay" and 7 "forwarded".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from gpuhook import hookcall
+from gpuhook.daemon import wire
+from gpuhook.errors import SpecError
+from gpuhook.oci import strictjson
+from tests.unit.test_relay import ROOT, FakeDaemon, _need_root_and_gcc  # noqa: F401 - the autouse fixture
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+FORWARDED = 7
+HELD, FREE = "held-ctr", "free-ctr"
+
+
+@dataclass(frozen=True)
+class Host:
+    """The relay built with its defaults under *root*, and the fake gpuhookd it is pointed at."""
+
+    relay: Path
+    root: Path
+    daemon: FakeDaemon
+
+    @property
+    def default_config(self) -> Path:
+        return self.root / "etc-gpuhook-config.yaml"
+
+    @property
+    def nvidia_config(self) -> Path:
+        return self.root / "etc-nvidia-config.toml"
+
+    @property
+    def default_state_dir(self) -> Path:
+        return self.root / "run-gpuhook"
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    root = Path(os.path.realpath(tmp_path_factory.mktemp("poststop")))
+    (root / "bin").mkdir()
+    paths = Host(root / "bin" / "gpuhook-relay", root, None)  # type: ignore[arg-type] # the paths only
+    defines = " ".join(f'-D{name}="{path}"' for name, path in (
+        ("DEFAULT_CONFIG", paths.default_config), ("NVIDIA_CONFIG", paths.nvidia_config),
+        ("DEFAULT_STATE_DIR", paths.default_state_dir)))
+    subprocess.run([str(ROOT / "relay" / "build.sh"), str(paths.relay)], check=True,
+                   env={**os.environ, "RELAY_DEFINES": defines})
+    daemon = FakeDaemon(root / "gpuhookd.sock", wire.encode_reply(b"done", FORWARDED, ""))
+    yield Host(paths.relay, root, daemon)
+    daemon.close()
+
+
+@pytest.fixture
+def python_defaults(host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python oracle with the same default paths as the relay under test."""
+    monkeypatch.setattr(hookcall, "_DEFAULT_CONFIG", str(host.default_config))
+    monkeypatch.setattr(hookcall, "_NVIDIA_CONFIG", str(host.nvidia_config))
+    monkeypatch.setattr(hookcall, "DEFAULT_STATE_DIR", str(host.default_state_dir))
+
+
+@pytest.fixture(autouse=True)
+def _clean_defaults(host: Host) -> Iterator[None]:
+    yield
+    for path in (host.default_config, host.nvidia_config, host.default_state_dir / hookcall.LEDGER_NAME):
+        path.unlink(missing_ok=True)
+
+
+def answered(host: Host, args: list[str], state: bytes, env: dict[str, str] | None = None) -> bool:
+    """True: the relay answered the poststop itself (0, gpuhookd never asked); False: gpuhookd answered."""
+    before = len(host.daemon.requests)
+    with open(host.root / "state", "wb") as handle:
+        handle.write(state)
+    with open(host.root / "state", "rb") as stdin:
+        proc = subprocess.run([str(host.relay), "--daemon-socket", str(host.daemon.path), *args], stdin=stdin,
+                              stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", **(env or {})}, timeout=20,
+                              check=False)
+    assert proc.returncode in (0, FORWARDED), proc.stderr
+    assert len(host.daemon.requests) == before + (proc.returncode == FORWARDED)  # 0: no request at all
+    return proc.returncode == 0
+
+
+def _state(container_id: str) -> bytes:
+    return json.dumps({"ociVersion": "1.2.0", "id": container_id, "status": "stopped", "bundle": "/b",
+                       "annotations": {"io.podman.annotations.autoremove": "TRUE"}}).encode()
+
+
+def _ledger(state_dir: Path, *container_ids: str) -> None:
+    """A ledger as gpuhook writes it (provision/ledger_store), holding *container_ids*."""
+    from gpuhook.provision import ledger_store
+    from gpuhook.sharing.ledger import Holder, Lease, Ledger
+
+    def add(ledger: Ledger) -> tuple[Ledger, None]:
+        for n, container_id in enumerate(container_ids):
+            ledger = ledger.reserve(Lease(container_id=container_id, devices=(f"GPU-{n}",),
+                                          holder=Holder(pid=100 + n, start=1), since="2026-12-01T12:00:00Z"))
+        return ledger, None
+
+    ledger_store.update(state_dir, add)
+
+
+# --- configs: the relay decides exactly as lease_may_exist -------------------------------------------
+
+#: Config files, {held}: a state_dir whose ledger names HELD, {empty}: one without a ledger. Every branch of
+#: _flat_state_dir and _plain_path, both ways.
+CONFIGS = [
+    "state_dir: {held}\n", "state_dir: {empty}\n", "state_dir: {held}", "state_dir: \"{held}\"\n",
+    "state_dir: '{empty}'\n", "state_dir: {held}  # the ledger\n", "state_dir:   {empty}   \n",
+    "log_level: info\r\nstate_dir: {held}\r\ncache_dir: null\r\n", "log_level: info\rstate_dir: {empty}\r",
+    "# gpuhook\n\nlog_level: debug\nstate_dir: {empty}\nmetrics:\n  listen: 127.0.0.1:9400\n",
+    "state_dir: null\n", "state_dir: ~\n", "state_dir:\n", "state_dir: NULL\n", "state_dir: \"\"\n",
+    "state_dir: #nothing\n", "log_level: debug\n", "", "\n\n",
+    "state_dir: {held}\nstate_dir: {empty}\n", "{{state_dir: {empty}}}\n", "{{log_level: info,\nstate_dir: {empty}}}\n",
+    "state_dir: \"{empty}\\u0041\"\n", "\"state_dir\": {empty}\n", "state_dir: !!str {empty}\n",
+    "state_dir: &s {empty}\n", "  state_dir: {empty}\n", "state_dir: relative/dir\n", "# state_dir: {empty}\n",
+    "state_dir: {empty}\n# state_dir used to be elsewhere\n", "state_dir: {empty}\t# tab\n",
+    "log_file: /var/log/state_dir.log\n", "state_dir: {empty}\n  x\n", "state_dir:\n  {empty}\n",
+    "state_dir: {empty}\n\nlog_level: info\n", "state_dir: {empty}\n#later\n", "state_dirs: {empty}\n",
+    "xstate_dir: {empty}\n", "state_dir:{empty}\n", "state_dir: {empty}:x\n", "state_dir: {empty}é\n",
+    "log_level: é\nstate_dir: {empty}\n", "%YAML 1.1\n---\nstate_dir: {empty}\n", "---\nstate_dir: {empty}\n",
+    "State_dir: {empty}\n", "state_dir: \"{empty}\n", "state_dir: {empty}\x01\n", "state_dir: ' {empty}'\n",
+    "# pad\n" * 200_000 + "state_dir: {empty}\n",  # over 1 MiB: its head could hide the line that follows
+]
+
+
+@pytest.mark.usefixtures("python_defaults")
+@pytest.mark.parametrize("template", CONFIGS, ids=[f"config{n}" for n in range(len(CONFIGS))])
+def test_the_config_is_read_as_the_python_hook_reads_it(host: Host, tmp_path: Path, template: str) -> None:
+    held, empty = tmp_path / "held", tmp_path / "empty"
+    _ledger(held, HELD)
+    empty.mkdir()
+    config = tmp_path / "gpuhook.yaml"
+    config.write_bytes(template.format(held=held, empty=empty).encode())
+    _ledger(host.default_state_dir, HELD)
+    for container_id in (HELD, FREE, "held"):  # "held": a prefix of a held id is not held
+        expected = not hookcall.lease_may_exist(str(config), {}, container_id)
+        assert answered(host, ["--config", str(config), "poststop"], _state(container_id)) is expected, container_id
+
+
+@pytest.mark.usefixtures("python_defaults")
+def test_the_config_is_found_as_the_python_hook_finds_it(host: Host, tmp_path: Path) -> None:
+    """--config (either spelling) beats $GPUHOOK_CONFIG, which beats the default; a named config must exist."""
+    held, empty = tmp_path / "held", tmp_path / "empty"
+    _ledger(held, HELD)
+    empty.mkdir()
+    (tmp_path / "a.yaml").write_text(f"state_dir: {held}\n")
+    (tmp_path / "b.yaml").write_text(f"state_dir: {empty}\n")
+    a, b = {"GPUHOOK_CONFIG": str(tmp_path / "a.yaml")}, {"GPUHOOK_CONFIG": str(tmp_path / "b.yaml")}
+    cases = [
+        (["poststop"], a), (["poststop"], b), (["--config", str(tmp_path / "b.yaml"), "poststop"], a),
+        ([f"--config={tmp_path / 'b.yaml'}", "poststop"], a), (["--config=", "poststop"], b),
+        (["--config", str(tmp_path / "absent.yaml"), "poststop"], {}), (["poststop"], {"GPUHOOK_CONFIG": ""}),
+        (["--debug", "--config", str(tmp_path / "b.yaml"), "--debug", "poststop"], {}),
+        (["--config", str(tmp_path), "poststop"], {}),  # a directory: unreadable
+    ]
+    for args, env in cases:
+        parsed = hookcall.parse_hook_argv(["--daemon-socket", "s", *args])
+        assert parsed is not None
+        expected = not hookcall.lease_may_exist(parsed.config, env, HELD)
+        assert answered(host, args, _state(HELD), env) is expected, (args, env)
+    assert answered(host, ["poststop"], _state(HELD), b) is True  # the cases above answered both ways
+    assert answered(host, ["poststop"], _state(HELD), a) is False
+
+
+@pytest.mark.usefixtures("python_defaults")
+@pytest.mark.parametrize("own", [None, "", "log_level: info\n"])
+@pytest.mark.parametrize("nvidia", [None, "[nvidia-container-cli]\nldconfig = \"@/sbin/ldconfig\"\n",
+                                    "[gpuhook]\nstate_dir = \"{empty}\"\n", "[gpuhook]\n\"st\\u0061te_dir\" = 1\n"])
+def test_without_its_own_config_nvidias_is_read(host: Host, tmp_path: Path, own: str | None,
+                                                nvidia: str | None) -> None:
+    """No (or an empty) /etc/gpuhook/config.yaml: NVIDIA's config.toml may move state_dir, and then the full
+    path reads it; a config of its own is never mixed with NVIDIA's."""
+    (tmp_path / "empty").mkdir()
+    _ledger(host.default_state_dir, HELD)
+    if own is not None:
+        host.default_config.write_text(own)
+    if nvidia is not None:
+        host.nvidia_config.write_text(nvidia.format(empty=tmp_path / "empty"))
+    for container_id in (HELD, FREE):
+        expected = not hookcall.lease_may_exist(None, {}, container_id)
+        assert answered(host, ["poststop"], _state(container_id)) is expected, container_id
+
+
+@pytest.mark.usefixtures("python_defaults")
+def test_an_unreadable_ledger_goes_to_gpuhookd(host: Host, tmp_path: Path) -> None:
+    """A ledger path that is a directory (or any read error) leaves doubt; an absent one does not."""
+    config = tmp_path / "gpuhook.yaml"
+    config.write_text(f"state_dir: {tmp_path}\n")
+    assert answered(host, ["--config", str(config), "poststop"], _state(FREE)) is True
+    (tmp_path / hookcall.LEDGER_NAME).mkdir()
+    assert hookcall.lease_may_exist(str(config), {}, FREE) is True
+    assert answered(host, ["--config", str(config), "poststop"], _state(FREE)) is False
+
+
+# --- argv and state: only gpuhook's own poststop of a state certainly valid --------------------------
+
+
+@pytest.mark.usefixtures("python_defaults")
+@pytest.mark.parametrize("args", [
+    ["prestart"], ["poststart"], ["createRuntime"], ["--bogus", "poststop"], ["poststop", "extra"],
+    ["--config", "-x", "poststop"], ["--config"], [],
+])
+def test_other_calls_go_to_gpuhookd(host: Host, args: list[str]) -> None:
+    assert not (host.default_state_dir / hookcall.LEDGER_NAME).exists()
+    assert answered(host, args, _state(FREE)) is False
+    assert answered(host, ["poststop"], _state(FREE)) is True  # the same state, config and ledger
+
+
+def test_a_copy_under_nvidias_name_goes_to_gpuhookd(host: Host) -> None:
+    """NVIDIA's flags are translated by the full path only."""
+    program = host.root / "bin" / "nvidia-container-runtime-hook-relay"
+    program.write_bytes(host.relay.read_bytes())
+    program.chmod(0o755)
+    before = len(host.daemon.requests)
+    with open(host.root / "state", "wb") as handle:
+        handle.write(_state(FREE))
+    with open(host.root / "state", "rb") as stdin:
+        proc = subprocess.run([str(program), "--daemon-socket", str(host.daemon.path), "poststop"], stdin=stdin,
+                              env={"PATH": "/bin"}, capture_output=True, timeout=20, check=False)
+    assert (proc.returncode, len(host.daemon.requests)) == (FORWARDED, before + 1)
+
+
+#: States the relay answers: valid JSON objects with a plain top-level id, as runtimes write them.
+ANSWERED = [
+    _state(FREE), b'{"id":"free-ctr"}', b' \t\r\n{ "id" : "free-ctr" , "pid" : 0 }\n ',
+    b'{"a": [1, -2.5e+3, 0, true, false, null, {"id": 1}, [], {}], "id": "free-ctr", "b": {"c": {"d": "x"}}}',
+    b'{"id": "free-ctr", "annotations": {"k": "v \\" \\\\ \\/ \\b \\f \\n \\r \\t \\u00e9"}}',
+    b'{"id": "Free_ctr.0-9"}', b'{"id": "free-ctr", "n": -0, "m": 1E5, "o": 0.5}',
+]
+
+#: States it leaves to gpuhookd: invalid (the full path says why), or valid but not certainly plain.
+FORWARDED_STATES = [
+    b"", b"{}", b"[]", b'"free-ctr"', b'{"id": "free-ctr"', b'{"id": "free-ctr"} x', b'{"id": "free-ctr"}{}',
+    b'{"id": "free-ctr", "id": "free-ctr"}', b'{"id": "free-ctr", "a": {"b": 1, "b": 2}}',
+    b'{"id": "fr\\u0065e-ctr"}', b'{"id": "free/ctr"}', b'{"id": "free ctr"}', b'{"id": ""}', b'{"id": 1}',
+    b'{"id": null}', b'{"id": ["free-ctr"]}', b'{"id": "free-ctr", "n": NaN}', b'{"id": "free-ctr", "n": 01}',
+    b'{"id": "free-ctr", "n": 1.}', b'{"id": "free-ctr", "n": .5}', b'{"id": "free-ctr", "n": +1}',
+    b'{"id": "free-ctr", "n": 1e}', b'{"id": "free-ctr", "n": -}', b'{"id": "free-ctr", "n": Infinity}',
+    b'{"id": "free-ctr", "a": "\xc3\xa9"}', b'\xef\xbb\xbf{"id": "free-ctr"}', b'{"id": "free-ctr", "a": "\x01"}',
+    b'{"id": "free-ctr", "a": "\\q"}', b'{"id": "free-ctr", "a": "\\u12"}', b'{"id": "free-ctr", "a": "\\',
+    b'{"id": "free-ctr", "\\u0069d": "x"}', b'{"id": "free-ctr",}', b'{"id": "free-ctr", "a": [1,]}',
+    b'{"id": "free-ctr" "a": 1}', b'{"id" "free-ctr"}', b'{id: "free-ctr"}', b"{'id': 'free-ctr'}",
+    b'{"id": "free-ctr", "a": tru}', b'{"id": "free-ctr", "a": nul}', b'{"id": "free-ctr"}\0',
+    b'{"id": "free-ctr", "n": ' + b"1" * 5000 + b"}", b'{"id": "free-ctr", "a": ' + b"[" * 100 + b"]" * 100 + b"}",
+    b'{"id": "free-ctr", "pad": "' + b"x" * (1 << 20) + b'"}',  # over the state limit
+]
+
+
+@pytest.mark.usefixtures("python_defaults")
+@pytest.mark.parametrize("state", ANSWERED, ids=[f"answered{n}" for n in range(len(ANSWERED))])
+def test_states_runtimes_write_are_answered(host: Host, state: bytes) -> None:
+    assert answered(host, ["poststop"], state) is True
+
+
+def _python_would_answer(state: bytes) -> bool:
+    """Whether the Python hook answers this poststop without the full path (no ledger anywhere)."""
+    try:
+        container_id = strictjson.loads_object(state, what="state", limit=strictjson.STATE_LIMIT).get("id")
+    except SpecError:
+        return False
+    return isinstance(container_id, str) and not hookcall.lease_may_exist(None, {}, container_id)
+
+
+@pytest.mark.usefixtures("python_defaults")
+@pytest.mark.parametrize("state", FORWARDED_STATES, ids=[f"forwarded{n}" for n in range(len(FORWARDED_STATES))])
+def test_any_other_state_goes_to_gpuhookd(host: Host, state: bytes) -> None:
+    assert answered(host, ["poststop"], state) is False
+
+
+@pytest.mark.usefixtures("python_defaults")
+def test_the_relay_answers_no_state_the_python_hook_would_not(host: Host) -> None:
+    """Soundness over both lists: every state the relay answers, the Python hook answers too; and the lists
+    hold both kinds (some forwarded states are valid JSON the relay is merely stricter about)."""
+    for state in ANSWERED:
+        assert _python_would_answer(state), state
+    invalid = [state for state in FORWARDED_STATES if not _python_would_answer(state)]
+    stricter = [state for state in FORWARDED_STATES if _python_would_answer(state)]
+    assert len(invalid) > 30
+    assert b'{"id": "free-ctr", "a": "\xc3\xa9"}' in stricter  # non-ASCII: valid, left to gpuhookd
