@@ -76,7 +76,7 @@ venv: $(VENV)/.installed
 # out their own with relay/build.sh.)
 relay: $(VENV)/bin/gpuhook-relay $(VENV)/libexec/gpuhook-runtime
 
-$(VENV)/bin/gpuhook-relay: relay/gpuhook-relay.c relay/lease_check.h relay/runtime_exec.h relay/build.sh gpuhook/__init__.py $(VENV)/.installed
+$(VENV)/bin/gpuhook-relay: relay/gpuhook-relay.c relay/answers.h relay/runtime_exec.h relay/build.sh gpuhook/__init__.py $(VENV)/.installed
 	relay/build.sh $@
 	mkdir -p $(VENV)/libexec && cp $@ $(VENV)/libexec/nvidia-container-runtime-hook
 

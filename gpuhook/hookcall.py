@@ -283,7 +283,7 @@ def _flat_state_dir(text: bytes) -> str | None:
     lower-case key (so no quoted or escaped key, directive, document marker or flow mapping can
     name state_dir), no backslash anywhere, and at most one ``state_dir:`` line (then a space or its
     end), whose plain value the next line does not continue (an indented or blank line after it could).
-    relay/lease_check.h ports this; tests/unit/test_relay_poststop.py holds the two to the same answers.
+    relay/answers.h ports this; tests/unit/test_relay_answers.py holds the two to the same answers.
     """
     lines = text.splitlines()
     if b"\\" in text or not all(_starts_plainly(line, comment_ok=True) for line in lines):

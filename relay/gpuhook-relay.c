@@ -5,8 +5,9 @@
  * each start, so this static program does only the hook's first steps: it checks its
  * environment, reads the OCI state from stdin and forwards its argv, environment and state,
  * with fds of its namespaces and root, to gpuhookd (a `relay` request; see
- * gpuhook/daemon/wire.py and client.py), which does all the work. One answer it gives itself: a
- * poststop of a container that certainly holds no lease exits 0 (lease_check.h), as the Python hook would.
+ * gpuhook/daemon/wire.py and client.py), which does all the work. The calls that certainly need none
+ * (a start that asks for no GPU, a poststop no lease names: most containers' calls) it answers itself, as
+ * the Python hook would (answers.h).
  *
  * Whenever the daemon cannot have started the work (no socket, a backlog that stays full, a
  * server that is not root, a failed or timed-out send, a `declined` reply), it runs the Python
@@ -33,7 +34,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "lease_check.h"
+#include "answers.h"
 #include "runtime_exec.h"
 
 #ifndef GPUHOOK_VERSION
@@ -362,9 +363,10 @@ static _Noreturn void runtime_fallback(char **argv)
  * 0: sock is connected to a root server at path; -1: not (nothing was sent, the fallback is safe).
  * A listener whose backlog is full (a daemon not accepting) blocks connect(), and a non-blocking
  * unix connect fails at once with EAGAIN rather than being pollable: SO_SNDTIMEO is the bound the
- * kernel applies to that wait (unix_stream_connect), and it ends in EAGAIN.
+ * kernel applies to that wait (unix_stream_connect), and it ends in EAGAIN. *at_once*: a non-blocking
+ * socket, which gives up on a full backlog at once.
  */
-static int connect_daemon(const char *path)
+static int connect_daemon(const char *path, int at_once)
 {
     struct sockaddr_un addr = { .sun_family = AF_UNIX };
     struct ucred cred;
@@ -374,7 +376,7 @@ static int connect_daemon(const char *path)
     if (n > sizeof addr.sun_path)
         return -1;
     memcpy(addr.sun_path, path, n);
-    sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | (at_once ? SOCK_NONBLOCK : 0), 0);
     if (sock < 0 || setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &connect_timeout, sizeof connect_timeout) ||
         connect(sock, (struct sockaddr *)&addr, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n)))
         return -1;
@@ -469,6 +471,22 @@ static int send_request(char **argv)
         if (fds[i] >= 0)
             close(fds[i]);
     return ok ? 0 : -1;
+}
+
+/*
+ * Tell gpuhookd of a no-GPU start answered here (`gpuhookd/1 no-gpu N\n` and the id; no fds, no reply), so
+ * that it logs it as a start it answered and its metrics count it. Never waited for: not for a backlog
+ * (at once), nor for gpuhookd to read it (it fits the socket's buffer); a daemon that cannot be told
+ * misses one count, and the container starts all the same.
+ */
+static void notice_no_gpu(const char *path, const char *id, size_t id_len)
+{
+    char notice[sizeof "gpuhookd/1 no-gpu 999\n" + MAX_ID];
+    int n = snprintf(notice, sizeof notice, "gpuhookd/1 no-gpu %zu\n%.*s", id_len, (int)id_len, id);
+    if (n > 0 && (size_t)n < sizeof notice && connect_daemon(path, 1) == 0)
+        (void)send(sock, notice, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sock >= 0)
+        (void)close(sock);
 }
 
 static _Noreturn void no_answer(const char *path, const char *why)
@@ -580,7 +598,7 @@ static _Noreturn void runtime_main(int argc, char **argv)
     for (int i = 1; i < argc; i++)
         request[i + 1] = argv[i];
     request[argc + 1] = NULL;
-    if (connect_daemon(path) || send_request(request) || !edited())
+    if (connect_daemon(path, 0) || send_request(request) || !edited())
         runtime_fallback(argv);
     (void)close(sock);
     (void)sigprocmask(SIG_SETMASK, &saved_mask, NULL);
@@ -589,8 +607,8 @@ static _Noreturn void runtime_main(int argc, char **argv)
 
 int main(int argc, char **argv)
 {
-    const char *path = DEFAULT_SOCKET;
-    const char *slash;
+    const char *path = DEFAULT_SOCKET, *slash, *id;
+    size_t id_len;
     sigset_t pipe_set;
     if (argc < 1) {
         fputs("gpuhook: gpuhook-relay started without argv\n", stderr);
@@ -622,9 +640,16 @@ int main(int argc, char **argv)
     if (strcmp(path, "none") == 0 || path[0] != '/')
         fallback(argv);
     read_state();
-    if (no_lease(argc, argv, command, state, state_len, STATE_LIMIT, config_variable()))
-        return 0;  /* most poststops: nothing to release, no round trip */
-    if (connect_daemon(path) || send_request(argv))
+    switch (own_answer(argc, argv, command, state, state_len, STATE_LIMIT, config_variable(), &id, &id_len)) {
+    case ANSWER_NO_GPU:
+        notice_no_gpu(path, id, id_len);
+        return 0;
+    case ANSWER_NOTHING:
+        return 0;
+    case ANSWER_NONE:
+        break;
+    }
+    if (connect_daemon(path, 0) || send_request(argv))
         fallback(argv);
     receive_reply(path);
     fallback(argv);  /* declined: the daemon did nothing; the hook finds out why and logs it */

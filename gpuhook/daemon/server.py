@@ -157,6 +157,12 @@ def handle(conn: socket.socket, *, request_timeout: float, config: OwnConfig) ->
         why = f"did not arrive whole within {READ_TIMEOUT:g} s" if isinstance(err, TimeoutError) else str(err)
         _answer(conn, (b"declined", 0, f"unreadable request: {why}"))
         return None
+    if kind == wire.NO_GPU:  # answered by the relay already: no reply, only the log (and so the metrics)
+        _close_all(fds)
+        _note_no_gpu(conn, parts[0])
+        signal.alarm(0)
+        _log_answered(config)
+        return None
     try:
         reply = _checked(conn, kind, parts, fds, config)
     except BaseException:
@@ -174,6 +180,16 @@ def handle(conn: socket.socket, *, request_timeout: float, config: OwnConfig) ->
 #: The ids of the no-GPU starts answered and not yet logged: each is logged once its answer is sent (the
 #: metrics count them from the log), so that the start never waits for the log.
 _answered_no_gpu: list[str] = []
+
+
+def _note_no_gpu(conn: socket.socket, container_id: bytes) -> None:
+    """gpuhook-relay's notice of a no-GPU start it answered itself (relay/answers.h): logged as one answered
+    here, when a root process sent it (anyone else could only forge counts; root could write the log)."""
+    uid = _peer_uid(conn)
+    if uid != 0:
+        say(f"a no-gpu notice from uid {uid} ignored: only root's are logged")
+        return
+    _answered_no_gpu.append(container_id.decode("utf-8", "replace"))
 
 
 def _log_answered(config: OwnConfig) -> None:
@@ -448,7 +464,7 @@ def _receive(conn: socket.socket, deadline: float) -> tuple[bytes, list[bytes], 
         body = b"".join(chunks)
         if size != total:
             raise wire.WireError(f"request has {size - total} bytes past its end")
-        if kind != b"ping" and len(fds) != _FDS:
+        if kind in wire.WITH_VIEW and len(fds) != _FDS:
             raise wire.WireError(f"a {kind.decode()} request carries {_FDS} fds, this one {len(fds)}")
     except BaseException:
         _close_all(fds)

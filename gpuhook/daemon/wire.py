@@ -5,10 +5,11 @@ Reply: ``gpuhookd/1 VERDICT STATUS N\\n`` then N bytes of message for the hook's
 
 Kinds: ``hook`` (parts: version, config, debug, env, state, spec) from the Python hook, which has
 read config.json and found a GPU request; ``relay`` (parts: version, argv, env, state) from
-gpuhook-relay (relay/gpuhook-relay.c), which parses nothing and leaves even the no-GPU check to the
-daemon; and ``ping`` (parts: version). ``hook`` and ``relay`` carry five fds (see ``client.NAMESPACES``).
-Verdicts: ``done`` (the request ran; STATUS is the hook's exit status), ``declined`` (the daemon
-cannot serve it: the hook does the work itself; the message says why) and ``pong``.
+gpuhook-relay (relay/gpuhook-relay.c), for every call it does not answer itself (relay/answers.h);
+``ping`` (parts: version); and ``no-gpu`` (parts: the container's id), the relay's notice of a start
+it answered itself as asking for no GPU, which gets no reply. ``hook`` and ``relay`` carry five fds
+(see ``client.NAMESPACES``). Verdicts: ``done`` (the request ran; STATUS is the hook's exit status),
+``declined`` (the daemon cannot serve it: the hook does the work itself; the message says why) and ``pong``.
 
 Everything here is plain bytes and ints, importing nothing: the hook's side of it runs on
 every GPU container start. The fd lists (SCM_RIGHTS) and peer credentials (SO_PEERCRED) that
@@ -29,7 +30,10 @@ REQUEST_LIMIT = (1 << 20) + (8 << 20) + (1 << 20)
 REPLY_LIMIT = 1 << 16
 HOOK_PARTS = ("version", "config", "debug", "env", "state", "spec")
 RELAY_PARTS = ("version", "argv", "env", "state")
-KINDS = {b"hook": len(HOOK_PARTS), b"relay": len(RELAY_PARTS), b"ping": 1}
+NO_GPU = b"no-gpu"
+KINDS = {b"hook": len(HOOK_PARTS), b"relay": len(RELAY_PARTS), b"ping": 1, NO_GPU: 1}
+#: The kinds that carry the caller's view (its namespaces and root: five fds); the others ask only for root.
+WITH_VIEW = (b"hook", b"relay")
 VERDICTS = (b"done", b"declined", b"pong")
 
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -290,3 +292,41 @@ def test_unusable_request_timeouts_are_refused(tmp_path: Path, value: str) -> No
     assert out.returncode == 1, out
     assert out.stderr.startswith("gpuhook: --request-timeout must be a number of seconds in (0, 3600], got ")
     assert "Traceback" not in out.stderr
+
+
+#: A `no-gpu` notice (gpuhook-relay's, relay/answers.h) sent as whoever runs this, without waiting for anything.
+NOTICE = """\
+import socket, sys
+from gpuhook.daemon import wire
+with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+    sock.connect(sys.argv[1])
+    sock.sendall(wire.encode_request(wire.NO_GPU, [sys.argv[2].encode()]))
+"""
+
+
+def test_a_no_gpu_notice_is_logged_only_from_root(host: FakeHost) -> None:
+    """The relay's notice of a no-GPU start it answered is logged (the metrics count it) when root sent it; one
+    from another user (the socket opened to it here) is ignored with a journal line, and logs nothing."""
+    where = Path(tempfile.mkdtemp(prefix="gpuhook-notice-"))  # not under pytest's root-only tmp
+    daemon = Gpuhookd(sys.executable, where / "gpuhookd", config=host.config_path)
+    try:
+        for path, mode in ((where, 0o755), (where / "gpuhookd", 0o755), (Path(daemon.socket), 0o666)):
+            path.chmod(mode)
+        offset = log_size(host)
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        for prefix, container_id in ((nobody, "forged-by-nobody"), ([], "told-by-root")):
+            sent = subprocess.run([*prefix, sys.executable, "-I", "-c", NOTICE, daemon.socket, container_id],
+                                  capture_output=True, text=True, timeout=60, check=False, cwd="/")
+            assert sent.returncode == 0, sent.stderr
+        deadline = time.monotonic() + 60
+        while not new_events(host, offset) or not journal_lines(daemon, "no-gpu notice"):
+            assert time.monotonic() < deadline, (new_events(host, offset), daemon.journal.read_text())
+            time.sleep(0.02)
+        assert [(e["event"], e["container_id"], e["served_by"]) for e in new_events(host, offset)] == [
+            ("no_gpu_requested", "told-by-root", "gpuhookd")]
+        assert [line.split(": ", 1)[-1] for line in journal_lines(daemon, "no-gpu notice")] == [
+            "a no-gpu notice from uid 65534 ignored: only root's are logged"]
+    finally:
+        journal = daemon.stop()
+        shutil.rmtree(where, ignore_errors=True)
+    assert "request failed" not in journal and "Traceback" not in journal, journal

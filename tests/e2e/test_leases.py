@@ -314,7 +314,8 @@ def test_gpuhookd_releases_a_lease_when_its_holder_exits(make_site: MakeSite, ho
 
 def test_a_relayed_poststop_reads_the_ledger_before_it_skips(make_site: MakeSite, host8: FakeHost, relay: Path) -> None:
     """The relay answers a poststop no lease names itself, from one read of the ledger (the Python hook's fast
-    path, relay/lease_check.h); one the ledger names goes to gpuhookd and the whole way: A, still running, keeps its lease (`lease_kept`), and B, never
+    path, relay/answers.h); one the ledger names goes to gpuhookd and the whole way: A, still running, keeps
+    its lease (`lease_kept`), and B, never
     started, gets no event at all."""
     site = make_site(host8, EXCLUSIVE0)
     daemon = Gpuhookd(sys.executable, site.tmp / "gpuhookd", config=site.config)

@@ -1,25 +1,33 @@
 /*
- * A poststop whose container certainly holds no lease, answered by the relay itself: the Python
- * hook's own fast path (hookcall.lease_may_exist), ported, so that most containers' stop costs no
- * round trip to gpuhookd (~0.9 ms of its Python per call).
+ * The hook calls gpuhook-relay answers itself, with the answer the Python hook gives them, so that most
+ * containers cost no round trip to gpuhookd (~0.9 ms of its Python per call):
+ *   - a poststart: nothing to do (hookcall.NOTHING);
+ *   - a start (prestart, createRuntime) whose config.json holds none of GPU_MARKERS: it certainly asks for
+ *     no GPU (hookcall.read_config_json's rule). gpuhookd is told, without waiting for it (a `no-gpu`
+ *     notice, wire.py), so that it logs the start as one it answered and the metrics count it;
+ *   - a poststop whose container certainly holds no lease (hookcall.lease_may_exist, ported).
  *
- * Every step here is a subset of the Python one: whatever it is not certain of (an argv, state, config
- * or ledger of any other shape, a file it cannot read) makes no_lease() return 0, and the call goes
- * to gpuhookd (or the Python hook) as before. A wrong 1 would only delay a release (the holder watch
- * and reclaim release a lease whose container is gone), never give anything away; it is still avoided:
- *   - the argv is gpuhook's own `[--debug] [--config F] [--daemon-socket S] poststop` (parse_hook_argv);
+ * Every step here is a subset of the Python one: whatever it is not certain of (an argv, state, config.json,
+ * config or ledger of any other shape, a file it cannot read) gives ANSWER_NONE, and the call goes to
+ * gpuhookd (or the Python hook) as before. A wrong "no lease" would only delay a release (the holder watch
+ * and reclaim release a lease whose container is gone), and a wrong "no GPU" would start a container without
+ * the GPU it asked for; both are avoided:
+ *   - the argv is gpuhook's own `[--debug] [--config F] [--daemon-socket S] STAGE` (parse_hook_argv);
  *   - the state is one JSON object strictjson.loads_object accepts (ASCII only, no escaped key, no
- *     duplicate key, at most MAX_DEPTH deep) whose top-level "id" is a plain string ([A-Za-z0-9_.-]+);
+ *     duplicate key, at most MAX_DEPTH deep) with a plain top-level "id" ([A-Za-z0-9_.-]+) and, for a start,
+ *     an absolute "bundle" (or "bundlePath") without escapes;
+ *   - config.json is <bundle>/config.json, a regular file opened without following a symlink (as
+ *     hookcall._open_config_json), of at most SPEC_LIMIT bytes;
  *   - the config is found and read as lease_may_exist finds and reads it (--config, GPUHOOK_CONFIG,
  *     /etc/gpuhook/config.yaml, NVIDIA's config.toml), and its state_dir taken only from the one shape
  *     _flat_state_dir accepts;
  *   - the ledger, <state_dir>/leases.json, is written whole by rename (provision/ledger_store.py), so
  *     reading it without the lock shows every lease taken before this call; no
  *     `"container_id": "<id>"` in it means no lease.
- * tests/unit/test_relay.py runs both over the same inputs.
+ * tests/unit/test_relay_answers.py runs the Python functions and the relay over the same inputs.
  */
-#ifndef GPUHOOK_LEASE_CHECK_H
-#define GPUHOOK_LEASE_CHECK_H
+#ifndef GPUHOOK_RELAY_ANSWERS_H
+#define GPUHOOK_RELAY_ANSWERS_H
 
 #include <errno.h>
 #include <fcntl.h>
@@ -34,21 +42,31 @@
 #define DEFAULT_STATE_DIR "/run/gpuhook"                     /* hookcall.DEFAULT_STATE_DIR */
 #endif
 #define LEDGER_NAME "leases.json"                            /* hookcall.LEDGER_NAME */
+#define SPEC_LIMIT (8 << 20)                                 /* strictjson.SPEC_LIMIT; past it, gpuhookd scans */
 #define CONFIG_LIMIT (1 << 20)                               /* hookcall._read_small's limit */
 #define LEDGER_LIMIT (64 << 20)                              /* far above any ledger; past it, gpuhookd reads it */
 #define MAX_DEPTH 64                                         /* Python's own limit is its recursion limit */
 #define MAX_KEYS 4096                                        /* keys of the objects open at once */
 #define MAX_NUMBER 64                                        /* int() refuses over 4300 digits */
+#define MAX_ID 256                                           /* longer ids are gpuhookd's to look up and log */
 
 /* --- the state: a conservative strict-JSON check --------------------------------------------- */
+
+/* The top-level strings the answers need: the container's id and its bundle (either spelling). */
+enum { TOP_ID, TOP_BUNDLE, TOP_BUNDLE_PATH, TOP_KEYS };
+static const char *const top_names[TOP_KEYS] = { "id", "bundle", "bundlePath" };
+
+struct top_string {
+    const char *at;     /* its bytes, when it is a string without escapes (else NULL) */
+    size_t len;
+    int seen;
+};
 
 struct json_scan {
     const char *p, *end;
     const char *key_at[MAX_KEYS];
     size_t key_len[MAX_KEYS], keys;
-    const char *id;     /* the top-level "id" string's bytes, when it is plain */
-    size_t id_len;
-    int ids;            /* how many top-level "id" keys (a second is a duplicate, refused anyway) */
+    struct top_string top[TOP_KEYS];
 };
 
 static int json_value(struct json_scan *s, int depth);
@@ -144,7 +162,7 @@ static int json_word(struct json_scan *s, const char *word)
     return 0;
 }
 
-/* `{ "key": value, ... }` with no key twice; at depth 1 it notes a plain "id". */
+/* `{ "key": value, ... }` with no key twice; at depth 1 it notes the top_names strings. */
 static int json_object(struct json_scan *s, int depth)
 {
     size_t first = s->keys;
@@ -169,16 +187,21 @@ static int json_object(struct json_scan *s, int depth)
         if (s->p == s->end || *s->p++ != ':')
             return -1;
         json_blank(s);
-        if (depth == 1 && len == 2 && memcmp(key, "id", 2) == 0) {
-            const char *id;
-            size_t id_len;
-            s->ids++;
-            if (s->p == s->end || *s->p != '"' || json_string(s, &id, &id_len, &escaped))
-                return -1;  /* not a string: the full path says what it is */
-            if (!escaped)
-                s->id = id, s->id_len = id_len;
+        int top = TOP_KEYS;
+        for (int k = 0; depth == 1 && k < TOP_KEYS; k++)
+            if (strlen(top_names[k]) == len && memcmp(key, top_names[k], len) == 0)
+                top = k;
+        if (top < TOP_KEYS && s->p < s->end && *s->p == '"') {
+            struct top_string *t = &s->top[top];
+            if (json_string(s, &t->at, &t->len, &escaped))
+                return -1;
+            t->seen = 1;
+            if (escaped)
+                t->at = NULL;
         } else if (json_value(s, depth)) {
             return -1;
+        } else if (top < TOP_KEYS) {
+            s->top[top].seen = 1;  /* not a string: at stays NULL */
         }
         json_blank(s);
         if (s->p == s->end)
@@ -254,8 +277,8 @@ static int plain_id(const char *id, size_t len)
     return 1;
 }
 
-/* 0 and the state's plain "id" (hookcall._plain), when the state is certainly one valid JSON object. */
-static int state_id(const char *data, size_t len, const char **id, size_t *id_len)
+/* 0 and the state's top-level strings when it is certainly one valid JSON object; -1 when in doubt. */
+static int scan_state(const char *data, size_t len, struct top_string top[TOP_KEYS])
 {
     static struct json_scan s;  /* 48 KiB of key slots: not on the stack */
     memset(&s, 0, sizeof s);
@@ -265,10 +288,9 @@ static int state_id(const char *data, size_t len, const char **id, size_t *id_le
     if (s.p == s.end || *s.p != '{' || json_object(&s, 1))
         return -1;
     json_blank(&s);
-    if (s.p != s.end || s.ids != 1 || !s.id || !plain_id(s.id, s.id_len))
+    if (s.p != s.end)
         return -1;
-    *id = s.id;
-    *id_len = s.id_len;
+    memcpy(top, s.top, sizeof s.top);
     return 0;
 }
 
@@ -276,11 +298,13 @@ static int state_id(const char *data, size_t len, const char **id, size_t *id_le
 
 enum read_result { READ_OK, READ_MISSING, READ_UNUSABLE };
 
-/* All of *path* into a malloc'ed buffer (*data, *len) if it has at most *limit* bytes. */
-static enum read_result read_whole(const char *path, size_t limit, char **data, size_t *len)
+/*
+ * All of *path* into a malloc'ed buffer (*data, *len) if it is a regular file of at most *limit* bytes.
+ * Not blocking: a FIFO there must not hang a container (it is not regular: unusable). *flags*: O_NOFOLLOW.
+ */
+static enum read_result read_whole(const char *path, int flags, size_t limit, char **data, size_t *len)
 {
-    /* Not blocking: a FIFO there must not hang a container's stop (Python would wait; here it is unusable). */
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK | flags);
     struct stat st;
     *data = NULL;
     *len = 0;
@@ -388,21 +412,84 @@ static int flat_state_dir(char *text, size_t len, const char **dir)
     return 0;
 }
 
-/*
- * 1: the container of this poststop (argv: gpuhook's own; state: the OCI state) certainly holds no
- * lease (hookcall.lease_may_exist is False); 0: gpuhookd or the Python hook decides.
- */
-static int no_lease(int argc, char **argv, const char *command, const char *state_data, size_t state_size,
-                    size_t state_limit, const char *config_env)
+/* 1: the container (*id*) certainly holds no lease under the config the hook was given (*config*: --config). */
+static int no_lease(const char *config, const char *config_env, const char *id, size_t id_len)
 {
-    const char *config = NULL, *id, *dir;
-    size_t id_len;
-    int i = 1;
     char *text = NULL, *ledger = NULL;
     size_t text_len, ledger_len;
-    enum read_result got;
+    const char *dir;
+    if (!config || !*config)
+        config = config_env && *config_env ? config_env : DEFAULT_CONFIG;
+    int is_default = strcmp(config, DEFAULT_CONFIG) == 0;
+    enum read_result got = read_whole(config, 0, CONFIG_LIMIT, &text, &text_len);
+    if (got == READ_UNUSABLE || (got == READ_MISSING && !is_default))
+        return 0;  /* a named config must exist: the full load says so */
+    if (is_default && text_len == 0) {  /* gpuhook has none of its own: NVIDIA's may be the config */
+        free(text);
+        got = read_whole(NVIDIA_CONFIG, 0, CONFIG_LIMIT, &text, &text_len);
+        if (got == READ_UNUSABLE)
+            return 0;
+        /* Only its [gpuhook] table can move state_dir, spelled otherwise only with \u escapes. */
+        if (text && !has_bytes(text, text_len, "state_dir") && !has_bytes(text, text_len, "\\u") &&
+            !has_bytes(text, text_len, "\\U"))
+            text_len = 0;
+    }
+    int certain = flat_state_dir(text ? text : (char *)"", text ? text_len : 0, &dir) == 0;
+    if (certain && *dir) {
+        char path[4096], needle[sizeof "\"container_id\": \"\"" + MAX_ID];
+        int n = snprintf(path, sizeof path, "%s/%s", dir, LEDGER_NAME);
+        certain = n > 0 && (size_t)n < sizeof path;
+        if (certain) {
+            got = read_whole(path, 0, LEDGER_LIMIT, &ledger, &ledger_len);
+            (void)snprintf(needle, sizeof needle, "\"container_id\": \"%.*s\"", (int)id_len, id);
+            certain = got == READ_MISSING || (got == READ_OK && !(ledger && has_bytes(ledger, ledger_len, needle)));
+        }
+    }
+    free(text);
+    free(ledger);
+    return certain;
+}
+
+/* quick.GPU_MARKERS: a config.json without any asks for no GPU, whatever its shape. */
+static const char *const gpu_markers[] = { "\\u", "NVIDIA_", "CUDA_VERSION", "nvidia-container-devices", "cdi.k8s.io" };
+
+/* 1: the bundle's config.json certainly asks for no GPU (hookcall.read_start_config, has_gpu_marker). */
+static int no_gpu(const struct top_string *bundle)
+{
+    char path[4096], *spec;
+    size_t len;
+    int certain;
+    if (!bundle->at || !bundle->len || bundle->at[0] != '/')
+        return 0;  /* not a string, escaped, or relative: the full path says what is wrong */
+    int n = snprintf(path, sizeof path, "%.*s/config.json", (int)bundle->len, bundle->at);
+    if (n <= 0 || (size_t)n >= sizeof path || read_whole(path, O_NOFOLLOW, SPEC_LIMIT, &spec, &len) != READ_OK)
+        return 0;
+    certain = 1;
+    for (size_t m = 0; m < sizeof gpu_markers / sizeof *gpu_markers; m++)
+        certain = certain && !has_bytes(spec, len, gpu_markers[m]);
+    free(spec);
+    return certain;
+}
+
+enum answer {
+    ANSWER_NONE,        /* gpuhookd (or the Python hook) decides */
+    ANSWER_NOTHING,     /* a poststart, a poststop no lease names: exit 0 */
+    ANSWER_NO_GPU,      /* a start that asks for no GPU: exit 0, once gpuhookd is told (notice_no_gpu) */
+};
+
+/*
+ * What the relay may answer itself for this call (argv[0] names *command*; state: the OCI state, read);
+ * for ANSWER_NO_GPU the container's id in *id*, *id_len*.
+ */
+static enum answer own_answer(int argc, char **argv, const char *command, const char *state_data,
+                              size_t state_size, size_t state_limit, const char *config_env, const char **id,
+                              size_t *id_len)
+{
+    const char *config = NULL, *stage;
+    struct top_string top[TOP_KEYS];
+    int i = 1;
     if (strcmp(command, "gpuhook") != 0)
-        return 0;  /* NVIDIA's names: their flags are translated by the full path */
+        return ANSWER_NONE;  /* NVIDIA's names: their flags are translated by the full path */
     while (argc - i > 1) {  /* hookcall.parse_hook_argv */
         const char *word = argv[i++];
         if (strcmp(word, "--debug") == 0)
@@ -414,42 +501,23 @@ static int no_lease(int argc, char **argv, const char *command, const char *stat
         else if (strcmp(word, "--daemon-socket") == 0 && argc - i > 1)
             i++;
         else
-            return 0;
+            return ANSWER_NONE;
     }
-    if (argc - i != 1 || strcmp(argv[i], "poststop") != 0 || state_size > state_limit ||
-        state_id(state_data, state_size, &id, &id_len))
-        return 0;
-    if (!config || !*config)
-        config = config_env && *config_env ? config_env : DEFAULT_CONFIG;
-    int is_default = strcmp(config, DEFAULT_CONFIG) == 0;
-    got = read_whole(config, CONFIG_LIMIT, &text, &text_len);
-    if (got == READ_UNUSABLE || (got == READ_MISSING && !is_default))
-        return 0;  /* a named config must exist: the full load says so */
-    if (is_default && text_len == 0) {  /* gpuhook has none of its own: NVIDIA's may be the config */
-        free(text);
-        got = read_whole(NVIDIA_CONFIG, CONFIG_LIMIT, &text, &text_len);
-        if (got == READ_UNUSABLE)
-            return 0;
-        /* Only its [gpuhook] table can move state_dir, spelled otherwise only with \u escapes. */
-        if (text && !has_bytes(text, text_len, "state_dir") && !has_bytes(text, text_len, "\\u") &&
-            !has_bytes(text, text_len, "\\U"))
-            text_len = 0;
-    }
-    int certain = flat_state_dir(text ? text : (char *)"", text ? text_len : 0, &dir) == 0;
-    if (certain && *dir) {
-        char path[4096];
-        int n = snprintf(path, sizeof path, "%s/%s", dir, LEDGER_NAME);
-        char needle[sizeof "\"container_id\": \"\"" + 256];
-        certain = n > 0 && (size_t)n < sizeof path && id_len <= 256;
-        if (certain) {
-            got = read_whole(path, LEDGER_LIMIT, &ledger, &ledger_len);
-            (void)snprintf(needle, sizeof needle, "\"container_id\": \"%.*s\"", (int)id_len, id);
-            certain = got == READ_MISSING || (got == READ_OK && !(ledger && has_bytes(ledger, ledger_len, needle)));
-        }
-    }
-    free(text);
-    free(ledger);
-    return certain;
+    if (argc - i != 1)
+        return ANSWER_NONE;
+    stage = argv[i];
+    if (strcmp(stage, "poststart") == 0)
+        return ANSWER_NOTHING;  /* its state is not even decoded */
+    if (state_size > state_limit || scan_state(state_data, state_size, top) || !top[TOP_ID].at ||
+        top[TOP_ID].len > MAX_ID || !plain_id(top[TOP_ID].at, top[TOP_ID].len))
+        return ANSWER_NONE;
+    *id = top[TOP_ID].at;
+    *id_len = top[TOP_ID].len;
+    if (strcmp(stage, "prestart") == 0 || strcmp(stage, "createRuntime") == 0)
+        return no_gpu(&top[top[TOP_BUNDLE].seen ? TOP_BUNDLE : TOP_BUNDLE_PATH]) ? ANSWER_NO_GPU : ANSWER_NONE;
+    if (strcmp(stage, "poststop") == 0)
+        return no_lease(config, config_env, *id, *id_len) ? ANSWER_NOTHING : ANSWER_NONE;
+    return ANSWER_NONE;
 }
 
 #endif

@@ -1,11 +1,12 @@
-"""The relay's own poststop answer (relay/lease_check.h): a container no lease names exits 0, no gpuhookd.
+"""The calls gpuhook-relay answers itself (relay/answers.h): a no-GPU start, a poststop no lease names, a poststart.
 
-It is the Python hook's fast path (hookcall.lease_may_exist) ported to C, so the Python function is the
-oracle: over the same configs, ledgers, ids and states, the relay answers itself exactly where the
-Python hook would (configs), and never where the Python hook would read the state otherwise or fail on it
-(states: the relay may be stricter, and then gpuhookd answers). The relay is built with its default paths
-(/etc/gpuhook/config.yaml, NVIDIA's config.toml, /run/gpuhook) moved into a temporary directory; a fake
-gpuhookd answers every request it gets with status 7, so 0 means "answered by the relay" and 7 "forwarded".
+They are the Python hook's own answers ported to C, so the Python functions are the oracle: over the same
+configs, ledgers, ids, states and config.json files, the relay answers a poststop itself exactly where
+hookcall.lease_may_exist says no lease (configs), and never answers a call the Python hook would read
+otherwise or fail on (states, config.json: the relay may be stricter, and then gpuhookd answers). The relay
+is built with its default paths (/etc/gpuhook/config.yaml, NVIDIA's config.toml, /run/gpuhook) moved into a
+temporary directory; a fake gpuhookd answers every request with status 7, so 0 means "answered by the
+relay" and 7 "forwarded". A no-GPU start it answers is still told to gpuhookd: a `no-gpu` notice.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,10 +25,11 @@ from gpuhook import hookcall
 from gpuhook.daemon import wire
 from gpuhook.errors import SpecError
 from gpuhook.oci import strictjson
-from tests.unit.test_relay import ROOT, FakeDaemon, _need_root_and_gcc  # noqa: F401 - the autouse fixture
+from gpuhook.request.quick import GPU_MARKERS
+from tests.unit.test_relay import ROOT, FakeDaemon, Request, _need_root_and_gcc  # noqa: F401 - the autouse fixture
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 FORWARDED = 7
 HELD, FREE = "held-ctr", "free-ctr"
@@ -55,7 +58,7 @@ class Host:
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
-    root = Path(os.path.realpath(tmp_path_factory.mktemp("poststop")))
+    root = Path(os.path.realpath(tmp_path_factory.mktemp("answers")))
     (root / "bin").mkdir()
     paths = Host(root / "bin" / "gpuhook-relay", root, None)  # type: ignore[arg-type] # the paths only
     defines = " ".join(f'-D{name}="{path}"' for name, path in (
@@ -83,8 +86,9 @@ def _clean_defaults(host: Host) -> Iterator[None]:
         path.unlink(missing_ok=True)
 
 
-def answered(host: Host, args: list[str], state: bytes, env: dict[str, str] | None = None) -> bool:
-    """True: the relay answered the poststop itself (0, gpuhookd never asked); False: gpuhookd answered."""
+def call(host: Host, args: list[str], state: bytes, env: dict[str, str] | None = None) -> tuple[int, list[Request]]:
+    """The relay's exit status for this hook call, and the requests gpuhookd got for it (a notice arrives
+    after the relay's exit: waited for, as the status says one is sent)."""
     before = len(host.daemon.requests)
     with open(host.root / "state", "wb") as handle:
         handle.write(state)
@@ -93,8 +97,19 @@ def answered(host: Host, args: list[str], state: bytes, env: dict[str, str] | No
                               stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", **(env or {})}, timeout=20,
                               check=False)
     assert proc.returncode in (0, FORWARDED), proc.stderr
-    assert len(host.daemon.requests) == before + (proc.returncode == FORWARDED)  # 0: no request at all
-    return proc.returncode == 0
+    assert proc.stderr == b""
+    deadline = time.monotonic() + 20
+    while (args[-1:] in (["prestart"], ["createRuntime"]) and len(host.daemon.requests) == before
+           and time.monotonic() < deadline):
+        time.sleep(0.005)  # a no-GPU start's notice: sent before the relay's exit, read by the thread after
+    return proc.returncode, host.daemon.requests[before:]
+
+
+def answered(host: Host, args: list[str], state: bytes, env: dict[str, str] | None = None) -> bool:
+    """True: the relay answered this poststop (or poststart) itself, gpuhookd never asked; False: gpuhookd did."""
+    status, requests = call(host, args, state, env)
+    assert [r.kind for r in requests] == ([] if status == 0 else [b"relay"])
+    return status == 0
 
 
 def _state(container_id: str) -> bytes:
@@ -214,10 +229,11 @@ def test_an_unreadable_ledger_goes_to_gpuhookd(host: Host, tmp_path: Path) -> No
 
 @pytest.mark.usefixtures("python_defaults")
 @pytest.mark.parametrize("args", [
-    ["prestart"], ["poststart"], ["createRuntime"], ["--bogus", "poststop"], ["poststop", "extra"],
+    ["prestart"], ["createRuntime"], ["--bogus", "poststop"], ["poststop", "extra"],
     ["--config", "-x", "poststop"], ["--config"], [],
 ])
 def test_other_calls_go_to_gpuhookd(host: Host, args: list[str]) -> None:
+    """Another stage (a start of a bundle without config.json: /b), another argv: gpuhookd decides."""
     assert not (host.default_state_dir / hookcall.LEDGER_NAME).exists()
     assert answered(host, args, _state(FREE)) is False
     assert answered(host, ["poststop"], _state(FREE)) is True  # the same state, config and ledger
@@ -294,3 +310,155 @@ def test_the_relay_answers_no_state_the_python_hook_would_not(host: Host) -> Non
     stricter = [state for state in FORWARDED_STATES if _python_would_answer(state)]
     assert len(invalid) > 30
     assert b'{"id": "free-ctr", "a": "\xc3\xa9"}' in stricter  # non-ASCII: valid, left to gpuhookd
+
+
+# --- starts: a config.json without GPU_MARKERS is answered, and gpuhookd told ---------------------------
+
+
+def _bundle(tmp_path: Path, spec: bytes | None, name: str = "bundle") -> Path:
+    bundle = tmp_path / name
+    bundle.mkdir()
+    if spec is not None:
+        (bundle / "config.json").write_bytes(spec)
+    return bundle
+
+
+def _start_state(bundle: Path | str, container_id: str = FREE, key: str = "bundle") -> bytes:
+    return json.dumps({"ociVersion": "1.2.0", "id": container_id, "status": "creating", "pid": 4242,
+                       key: str(bundle)}).encode()
+
+
+NO_GPU_SPEC = json.dumps({"ociVersion": "1.2.0", "process": {"args": ["sh"], "env": ["PATH=/bin", "HOME=/"]},
+                          "root": {"path": "rootfs"}, "annotations": {"org.opencontainers.image.title": "x"}}).encode()
+
+
+def _python_start(state: bytes) -> bool | None:
+    """The Python hook's reading of this start: True (asks for a GPU), False (no GPU), None (an error)."""
+    try:
+        found = hookcall.read_hook_call(hookcall.HookArgs("prestart", None, False, None), {}, state)
+    except SpecError:
+        return None
+    return found.asks_gpu
+
+
+@pytest.mark.parametrize("stage", ["prestart", "createRuntime"])
+def test_a_start_without_gpu_markers_is_answered_and_gpuhookd_told(host: Host, tmp_path: Path, stage: str) -> None:
+    """Exit 0 at once; gpuhookd gets a `no-gpu` notice naming the container (no fds, no reply awaited)."""
+    state = _start_state(_bundle(tmp_path, NO_GPU_SPEC))
+    assert _python_start(state) is False
+    status, requests = call(host, [stage], state)
+    assert status == 0
+    assert [(r.kind, r.parts, r.fd_links) for r in requests] == [(wire.NO_GPU, [FREE.encode()], [])]
+
+
+@pytest.mark.parametrize("marker", GPU_MARKERS)
+def test_any_gpu_marker_goes_to_gpuhookd(host: Host, tmp_path: Path, marker: bytes) -> None:
+    """One marker anywhere (a value, a key, an annotation, a comment-like string): gpuhookd decides."""
+    spec = NO_GPU_SPEC.replace(b'"HOME=/"', b'"HOME=/' + marker.replace(b"\\", b"\\\\") + b'"')
+    if marker == b"\\u":
+        spec = NO_GPU_SPEC.replace(b'"HOME=/"', b'"HOME=\\u002f"')
+    assert marker in spec
+    state = _start_state(_bundle(tmp_path, spec))
+    status, requests = call(host, ["prestart"], state)
+    assert (status, [r.kind for r in requests]) == (FORWARDED, [b"relay"])
+
+
+def test_the_markers_are_the_python_hooks() -> None:
+    """relay/answers.h's gpu_markers are quick.GPU_MARKERS (the C string literals, read)."""
+    source = (ROOT / "relay" / "answers.h").read_text()
+    line = next(line for line in source.splitlines() if line.startswith("static const char *const gpu_markers[]"))
+    literals = [part.encode().decode("unicode_escape").encode() for part in line.split('"')[1::2]]
+    assert tuple(literals) == GPU_MARKERS
+
+
+#: config.json as the relay does not read it: gpuhookd (or the Python hook) opens it, and says what is wrong.
+SPEC_FILES: dict[str, Callable[[Path, Path], object]] = {
+    "missing": lambda path, good: None,
+    "directory": lambda path, good: path.mkdir(),
+    "symlink": lambda path, good: path.symlink_to(good),
+    "fifo": lambda path, good: os.mkfifo(path),
+    "over-the-limit": lambda path, good: path.write_bytes(
+        NO_GPU_SPEC[:-1] + b', "pad": "' + b"x" * strictjson.SPEC_LIMIT + b'"}'),
+}
+
+
+@pytest.mark.parametrize("case", SPEC_FILES)
+def test_a_config_json_it_does_not_read_goes_to_gpuhookd(host: Host, tmp_path: Path, case: str) -> None:
+    good = _bundle(tmp_path, NO_GPU_SPEC, "good") / "config.json"
+    bundle = _bundle(tmp_path, None)
+    SPEC_FILES[case](bundle / "config.json", good)
+    status, requests = call(host, ["prestart"], _start_state(bundle))
+    assert (status, [r.kind for r in requests]) == (FORWARDED, [b"relay"])
+
+
+#: Start states (their bundle's config.json asks for no GPU) whose bundle or id the relay does not take.
+START_STATES: dict[str, Callable[[Path], bytes]] = {
+    "relative-bundle": lambda good: _start_state(os.path.relpath(good)),
+    "escaped-bundle": lambda good: _start_state(good).replace(b"/good", b"/goo\\u0064"),
+    "bundle-not-a-string": lambda good: json.dumps({"id": FREE, "bundle": 1, "bundlePath": str(good)}).encode(),
+    "no-bundle": lambda good: json.dumps({"id": FREE}).encode(),
+    "bundle-over-bundlePath": lambda good: json.dumps(
+        {"id": FREE, "bundle": str(good.parent / "bundle"), "bundlePath": str(good)}).encode(),
+    "no-id": lambda good: json.dumps({"bundle": str(good)}).encode(),
+    "id-not-plain": lambda good: _start_state(good, "a/b"),
+    "id-too-long": lambda good: _start_state(good, "c" * 257),
+    "invalid-state": lambda good: _start_state(good)[:-1],
+}
+
+
+@pytest.mark.parametrize("case", START_STATES)
+def test_a_start_state_it_is_not_certain_of_goes_to_gpuhookd(host: Host, tmp_path: Path, case: str) -> None:
+    """Whatever the Python hook would refuse, or log under an id the relay does not send: gpuhookd."""
+    good = _bundle(tmp_path, NO_GPU_SPEC, "good")
+    _bundle(tmp_path, None)  # "bundle": no config.json
+    status, requests = call(host, ["prestart"], START_STATES[case](good))
+    assert (status, [r.kind for r in requests]) == (FORWARDED, [b"relay"])
+
+
+def test_bundle_path_is_read_without_bundle(host: Host, tmp_path: Path) -> None:
+    """runc's older states say bundlePath: read as the Python hook reads it."""
+    state = _start_state(_bundle(tmp_path, NO_GPU_SPEC), key="bundlePath")
+    assert _python_start(state) is False
+    status, requests = call(host, ["prestart"], state)
+    assert (status, [r.kind for r in requests]) == (0, [wire.NO_GPU])
+
+
+def test_without_gpuhookd_a_no_gpu_start_still_answers(host: Host, tmp_path: Path) -> None:
+    """No daemon to tell: exit 0 all the same (the Python hook it would fall back to answers 0, unlogged), and
+    nothing beside the relay was run (there is no Python hook beside this build: running it would fail)."""
+    state = _start_state(_bundle(tmp_path, NO_GPU_SPEC))
+    (host.root / "state").write_bytes(state)
+    with open(host.root / "state", "rb") as stdin:
+        proc = subprocess.run([str(host.relay), "--daemon-socket", str(tmp_path / "absent.sock"), "prestart"],
+                              stdin=stdin, capture_output=True, env={"PATH": "/bin"}, timeout=20, check=False)
+    assert (proc.returncode, proc.stderr) == (0, b"")
+    assert not (host.root / "bin" / "gpuhook").exists()
+
+
+def test_a_poststart_is_answered_whatever_its_state(host: Host) -> None:
+    """poststart does nothing (hookcall.NOTHING): not even its state is decoded, by either."""
+    assert hookcall.read_hook_call(hookcall.HookArgs("poststart", None, False, None), {}, b"not json").state == {}
+    assert answered(host, ["poststart"], b"not json") is True
+
+
+def _with_bundle(state: bytes, bundle: Path) -> bytes:
+    """*state* with a top-level "bundle" naming *bundle* (in place of _state's "/b"; else first)."""
+    quoted = json.dumps(str(bundle)).encode()
+    if b'"bundle": "/b"' in state:
+        return state.replace(b'"/b"', quoted)
+    body = state.lstrip(b" \t\r\n")
+    return state[:len(state) - len(body)] + b'{"bundle": ' + quoted + b", " + body[1:] if body[:1] == b"{" else state
+
+
+@pytest.mark.parametrize("state", ANSWERED, ids=[f"answered{n}" for n in range(len(ANSWERED))])
+def test_start_states_runtimes_write_are_answered(host: Host, tmp_path: Path, state: bytes) -> None:
+    """The same states as a poststop's, with a bundle: answered, and the Python hook agrees."""
+    state = _with_bundle(state, _bundle(tmp_path, NO_GPU_SPEC))
+    assert _python_start(state) is False
+    assert call(host, ["prestart"], state)[0] == 0
+
+
+@pytest.mark.parametrize("state", FORWARDED_STATES, ids=[f"forwarded{n}" for n in range(len(FORWARDED_STATES))])
+def test_start_states_it_is_not_certain_of_go_to_gpuhookd(host: Host, tmp_path: Path, state: bytes) -> None:
+    state = _with_bundle(state, _bundle(tmp_path, NO_GPU_SPEC))
+    assert call(host, ["prestart"], state)[0] == FORWARDED
