@@ -223,8 +223,8 @@ def _answer_until_gpu_request(listener: socket.socket, daemon_end: socket.socket
                               prepare: Callable[[], None]) -> tuple[socket.socket, server.HookWork]:
     """Accept connections and answer those that need no GPU work; return the first that does.
 
-    A container that asks for no GPU (gpuhook-relay leaves that check to the daemon) changes
-    nothing in the worker, so the same prepared worker waits for the next connection: most
+    A container that asks for no GPU (a relay's `no-gpu` notice, or a start the relay was not certain
+    of) changes nothing in the worker, so the same prepared worker waits for the next connection: most
     container starts on a hooks.d ``always`` host cost the daemon no fork at all.
     """
     waiter = select.epoll()
@@ -232,6 +232,10 @@ def _answer_until_gpu_request(listener: socket.socket, daemon_end: socket.socket
     waiter.register(daemon_end.fileno(), select.EPOLLIN)
     for _ in range(ANSWERS_PER_WORKER):
         conn = _accept(listener, daemon_end, waiter, prepare)
+        # The connect woke this worker on the caller's CPU (a sync wake-up), before the caller sent anything:
+        # let it send (and a relay's no-gpu notice exit) before this worker's Python runs. The connect and
+        # send of a notice took the relay ~355 µs with this worker ahead of it, ~175 µs after it.
+        os.sched_yield()
         os.setpriority(os.PRIO_PROCESS, 0, priority)  # a burst's connection, served before prepare()
         process.prctl(process.PR_SET_PDEATHSIG, 0)  # the daemon's end no longer ends this request
         _tell(daemon_end, BUSY)
