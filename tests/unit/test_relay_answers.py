@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpuhook import hookcall
 from gpuhook.daemon import wire
@@ -253,9 +255,13 @@ def test_a_copy_under_nvidias_name_goes_to_gpuhookd(host: Host) -> None:
     assert (proc.returncode, len(host.daemon.requests)) == (FORWARDED, before + 1)
 
 
+#: The state test_no_mutated_state_is_answered_that_the_decoder_refuses edits.
+_SEED = (b'{"ociVersion": "1.2.0", "id": "free-ctr", "status": "stopped", "pid": 0, "bundle": "/b", '
+         b'"annotations": {"a": "b \\" \\u00e9", "n": [1, -2.5e+3, true, false, null, {}]}}')
+
 #: States the relay answers: valid JSON objects with a plain top-level id, as runtimes write them.
 ANSWERED = [
-    _state(FREE), b'{"id":"free-ctr"}', b' \t\r\n{ "id" : "free-ctr" , "pid" : 0 }\n ',
+    _SEED, _state(FREE), b'{"id":"free-ctr"}', b' \t\r\n{ "id" : "free-ctr" , "pid" : 0 }\n ',
     b'{"a": [1, -2.5e+3, 0, true, false, null, {"id": 1}, [], {}], "id": "free-ctr", "b": {"c": {"d": "x"}}}',
     b'{"id": "free-ctr", "annotations": {"k": "v \\" \\\\ \\/ \\b \\f \\n \\r \\t \\u00e9"}}',
     b'{"id": "Free_ctr.0-9"}', b'{"id": "free-ctr", "n": -0, "m": 1E5, "o": 0.5}',
@@ -462,3 +468,59 @@ def test_start_states_runtimes_write_are_answered(host: Host, tmp_path: Path, st
 def test_start_states_it_is_not_certain_of_go_to_gpuhookd(host: Host, tmp_path: Path, state: bytes) -> None:
     state = _with_bundle(state, _bundle(tmp_path, NO_GPU_SPEC))
     assert call(host, ["prestart"], state)[0] == FORWARDED
+
+
+# --- the scanner against the decoder, on mutated states -------------------------------------------------
+
+#: Bytes that matter to a JSON scanner, and a few that must never pass.
+_EDIT_BYTES = b'{}[]":,\\ \t\n0123456789.eE+-tfnrulsaxidu\x00\x01\x7f\xc3\xa9'
+
+
+@given(edits=st.lists(st.tuples(st.integers(0, len(_SEED)), st.sampled_from(("insert", "replace", "delete")),
+                                st.sampled_from(list(_EDIT_BYTES))), min_size=1, max_size=4))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_no_mutated_state_is_answered_that_the_decoder_refuses(host: Host, edits: list[tuple[int, str, int]]) -> None:
+    """Whatever a few byte edits make of a valid state (which the relay answers: ANSWERED), the relay answers its
+    poststop (no ledger anywhere) only when strictjson decodes it and its id is plain: the relay's scanner is
+    never more lenient than the decoder."""
+    state = bytearray(_SEED)
+    for where, edit, byte in edits:
+        at = min(where, len(state))
+        if edit == "insert":
+            state[at:at] = bytes([byte])
+        elif at < len(state):
+            state[at:at + 1] = b"" if edit == "delete" else bytes([byte])
+    config = host.root / "plain.yaml"  # state_dir: the default, without a ledger
+    config.write_text("log_level: info\n")
+    assert not (host.default_state_dir / hookcall.LEDGER_NAME).exists()
+    if answered(host, ["--config", str(config), "poststop"], bytes(state)):  # ~1 in 5 here: whitespace, digits
+        decoded = strictjson.loads_object(bytes(state), what="state", limit=strictjson.STATE_LIMIT)
+        assert isinstance(decoded.get("id"), str)
+        assert hookcall._plain(decoded["id"])
+
+
+_CONFIG_LINES = ["state_dir: {held}", "state_dir: {empty}", "state_dir: '{held}'", "state_dir: {held} # c",
+                 "state_dir:", "state_dir: ~", "log_level: info", "# state_dir: {held}", "", "  x: 1", "\tx",
+                 "metrics:", "  listen: 127.0.0.1:9400", "\"state_dir\": {held}", "- state_dir", "state_dir:{held}",
+                 "gpus: [{{device: 0}}]", "{{state_dir: {held}}}", "x: \\u0041", "state_dirs: 1", "é: 1"]
+
+
+@pytest.mark.usefixtures("python_defaults")
+@given(lines=st.lists(st.sampled_from(_CONFIG_LINES), max_size=5),
+       breaks=st.lists(st.sampled_from(["\n", "\r\n", "\r", "\n\n"]), min_size=5, max_size=5),
+       trailing=st.booleans())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_configs_made_of_such_lines_are_read_as_the_python_hook_reads_them(
+        host: Host, lines: list[str], breaks: list[str], trailing: bool) -> None:
+    """Any few of those lines, any line breaks: the relay and lease_may_exist agree, for a held id and a free one."""
+    held, empty = host.root / "fuzz-held", host.root / "fuzz-empty"
+    if not held.exists():
+        _ledger(held, HELD)
+        empty.mkdir()
+    text = "".join(line + brk for line, brk in zip(lines, breaks, strict=False))
+    text = text if trailing else text.rstrip("\r\n")
+    config = host.root / "fuzz.yaml"
+    config.write_bytes(text.format(held=held, empty=empty).encode())
+    for container_id in (HELD, FREE):
+        expected = not hookcall.lease_may_exist(str(config), {}, container_id)
+        assert answered(host, ["--config", str(config), "poststop"], _state(container_id)) is expected, text
