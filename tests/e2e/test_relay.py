@@ -48,9 +48,9 @@ def test_relay_under_nvidias_name(make_container: MakeContainer, host: FakeHost,
 
 def test_no_gpu_containers_cost_the_daemon_no_fork(make_container: MakeContainer, host: FakeHost,
                                                    daemon: Gpuhookd, relay: Path) -> None:
-    """A container that asks for no GPU is answered by a waiting worker, which keeps waiting: the
-    daemon's processes are the same before and after three such starts, and each is logged once, after its
-    answer (the metrics count them), and nothing else."""
+    """A container that asks for no GPU is answered by the relay, whose `no-gpu` notice a waiting worker logs
+    and keeps waiting: the daemon's processes are the same before and after three such starts, and each is
+    logged once (the metrics count them), and nothing else."""
     hook = relay_entry(relay, host.config_path, "--daemon-socket", daemon.socket, "prestart")
     containers = [make_container("echo ran", NO_GPU, hook=hook) for _ in range(3)]
     # At rest first: a fresh daemon's spares may still be forking their children on a busy machine.
@@ -138,7 +138,8 @@ def test_config_json_is_read_in_the_hooks_view(host: FakeHost, daemon: Gpuhookd,
     # the daemon's view: not JSON, and with a GPU marker in it, so that it is decoded (and refused)
     (shared / "bundle" / "config.json").write_text("not the hook's config.json: NVIDIA_VISIBLE_DEVICES")
     private = tmp_path / "private-config.json"
-    spec: dict[str, Any] = default_spec("rootfs", ["true"], ["PATH=/bin"])
+    # A GPU marker, asking for none: the relay leaves it to the daemon, which must read this file, not its own.
+    spec: dict[str, Any] = default_spec("rootfs", ["true"], ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=void"])
     write_bundle(tmp_path / "private", spec)
     private.write_bytes((tmp_path / "private" / "config.json").read_bytes())
     state = json.dumps({"ociVersion": "1.0.2", "id": "view", "status": "creating", "pid": 1,
