@@ -88,21 +88,21 @@ def _clean_defaults(host: Host) -> Iterator[None]:
         path.unlink(missing_ok=True)
 
 
-def call(host: Host, args: list[str], state: bytes, env: dict[str, str] | None = None) -> tuple[int, list[Request]]:
-    """The relay's exit status for this hook call, and the requests gpuhookd got for it (a notice arrives
-    after the relay's exit: waited for, as the status says one is sent)."""
+def call(host: Host, args: list[str], state: bytes, env: dict[str, str] | None = None, *,
+         program: Path | None = None, daemon_socket: Path | None = None) -> tuple[int, list[Request]]:
+    """The relay's (or a copy's) exit status for this hook call, and the requests gpuhookd got for it (a
+    notice arrives after the relay's exit: waited for, as a start answered with 0 sends one)."""
     before = len(host.daemon.requests)
-    with open(host.root / "state", "wb") as handle:
-        handle.write(state)
+    (host.root / "state").write_bytes(state)
     with open(host.root / "state", "rb") as stdin:
-        proc = subprocess.run([str(host.relay), "--daemon-socket", str(host.daemon.path), *args], stdin=stdin,
-                              stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", **(env or {})}, timeout=20,
-                              check=False)
+        argv = [str(program or host.relay), "--daemon-socket", str(daemon_socket or host.daemon.path), *args]
+        proc = subprocess.run(argv, stdin=stdin, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", **(env or {})},
+                              timeout=20, check=False)
     assert proc.returncode in (0, FORWARDED), proc.stderr
     assert proc.stderr == b""
     deadline = time.monotonic() + 20
-    while (args[-1:] in (["prestart"], ["createRuntime"]) and len(host.daemon.requests) == before
-           and time.monotonic() < deadline):
+    while (daemon_socket is None and proc.returncode == 0 and args[-1:] in (["prestart"], ["createRuntime"])
+           and len(host.daemon.requests) == before and time.monotonic() < deadline):
         time.sleep(0.005)  # a no-GPU start's notice: sent before the relay's exit, read by the thread after
     return proc.returncode, host.daemon.requests[before:]
 
@@ -246,13 +246,8 @@ def test_a_copy_under_nvidias_name_goes_to_gpuhookd(host: Host) -> None:
     program = host.root / "bin" / "nvidia-container-runtime-hook-relay"
     program.write_bytes(host.relay.read_bytes())
     program.chmod(0o755)
-    before = len(host.daemon.requests)
-    with open(host.root / "state", "wb") as handle:
-        handle.write(_state(FREE))
-    with open(host.root / "state", "rb") as stdin:
-        proc = subprocess.run([str(program), "--daemon-socket", str(host.daemon.path), "poststop"], stdin=stdin,
-                              env={"PATH": "/bin"}, capture_output=True, timeout=20, check=False)
-    assert (proc.returncode, len(host.daemon.requests)) == (FORWARDED, before + 1)
+    status, requests = call(host, ["poststop"], _state(FREE), program=program)
+    assert (status, [r.kind for r in requests]) == (FORWARDED, [b"relay"])
 
 
 #: The state test_no_mutated_state_is_answered_that_the_decoder_refuses edits.
@@ -433,11 +428,7 @@ def test_without_gpuhookd_a_no_gpu_start_still_answers(host: Host, tmp_path: Pat
     """No daemon to tell: exit 0 all the same (the Python hook it would fall back to answers 0, unlogged), and
     nothing beside the relay was run (there is no Python hook beside this build: running it would fail)."""
     state = _start_state(_bundle(tmp_path, NO_GPU_SPEC))
-    (host.root / "state").write_bytes(state)
-    with open(host.root / "state", "rb") as stdin:
-        proc = subprocess.run([str(host.relay), "--daemon-socket", str(tmp_path / "absent.sock"), "prestart"],
-                              stdin=stdin, capture_output=True, env={"PATH": "/bin"}, timeout=20, check=False)
-    assert (proc.returncode, proc.stderr) == (0, b"")
+    assert call(host, ["prestart"], state, daemon_socket=tmp_path / "absent.sock") == (0, [])
     assert not (host.root / "bin" / "gpuhook").exists()
 
 
