@@ -9,8 +9,9 @@ run a CUDA runtime-sized image (``library_image``: the host's own libraries) on 
 engines mount an image. Scenarios are interleaved round-robin, after one untimed warm-up round that
 also builds each host's inventory cache, so drift on a noisy VM hits all of them alike, and a ratio
 is the median over rounds of a run's time ÷ bare runc's in the same round. The rows whose targets
-are a few percent of a start (no GPU, its poststop, the no-op hooks) and bare runc (``Scenario.close``)
-then run ``CLOSE_FACTOR`` − 1 times as many rounds again, of just them. Wall time is
+are a few percent of a start (no GPU, its poststop, the no-op hooks) or a difference of two milliseconds
+(1 GPU, an existing MIG device, an MPS client) and bare runc (``Scenario.close``) then run
+``CLOSE_FACTOR`` − 1 times as many rounds again, of just them. Wall time is
 ``integration.engines.run_container``'s ``duration_s``: the whole ``runc run`` plus the rig's
 sub-millisecond leftover check.
 
@@ -138,7 +139,8 @@ class Scenario:
     #: the rootfs is this image on overlayfs (a fresh upper layer per run, as engines mount images),
     #: not a copy of the small test rootfs
     image: Path | None = None
-    #: a row whose target is a few percent of a start, or bare runc, their reference: CLOSE_FACTOR times the runs
+    #: a row whose target is a few percent of a start or a couple of milliseconds of one, or bare runc (the
+    #: reference of the first kind): CLOSE_FACTOR times the runs
     close: bool = False
 
 
@@ -311,7 +313,8 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
     return [
         Scenario("bare", "bare runc (no hook)", close=True),
         Scenario("no-gpu", "hook, container asks for no GPU", hosts[8], hook_argv=hook(cfg[8]), close=True),
-        Scenario("gpu1", "hook, 1 GPU, compute,utility", hosts[1], gpus(COMPUTE), hook(cfg[1]), cached=True),
+        Scenario("gpu1", "hook, 1 GPU, compute,utility", hosts[1], gpus(COMPUTE), hook(cfg[1]), cached=True,
+                 close=True),
         Scenario("gpu8", "hook, 8 GPUs, compute,utility", hosts[8], gpus(COMPUTE), hook(cfg[8]), cached=True),
         Scenario("gpu64", "hook, 64 GPUs, compute,utility", hosts[64], gpus(COMPUTE), hook(cfg[64]), cached=True),
         Scenario("gpu8-all", "hook, 8 GPUs, all capabilities", hosts[8], gpus("all"), hook(cfg[8]), cached=True),
@@ -338,11 +341,11 @@ def make_scenarios(python: Path, relay: Path, rootfs_src: Path, work: Path,
                  hook(mig_cfg), poststop=True),
         Scenario("mig-existing", "hook, an existing MIG device (0:0, a 1g.5gb instance) of an A100-40GB in MIG mode, "
                  "compute,utility", a100_made, ("NVIDIA_VISIBLE_DEVICES=0:0", f"NVIDIA_DRIVER_CAPABILITIES={COMPUTE}"),
-                 hook(made_cfg), cached=True),
+                 hook(made_cfg), cached=True, close=True),
         Scenario("mps-client", "hook for prestart and poststop, an MPS client: the second container of a GPU with "
                  "sharing: mps (replicas 2; a holder keeps its daemon up), compute,utility", mps_host,
                  ("NVIDIA_VISIBLE_DEVICES=0", f"NVIDIA_DRIVER_CAPABILITIES={COMPUTE}"), hook(mps_cfg), cached=True,
-                 poststop=True, held=True),
+                 poststop=True, held=True, close=True),
         Scenario("ctr-gpu8", "ctr run --gpus 0..7 (containerd oci-hook → nvidia-container-cli configure, served by "
                  "gpuhookd), compute,utility", hosts[8], hook_argv=ctr_hook(cfg[8]),
                  hook_env=(f"GPUHOOK_CONFIG={cfg[8]}",), cached=True),
