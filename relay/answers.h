@@ -281,10 +281,11 @@ static int plain_id(const char *id, size_t len)
 /* 0 and the state's top-level strings when it is certainly one valid JSON object; -1 when in doubt. */
 static int scan_state(const char *data, size_t len, struct top_string top[TOP_KEYS])
 {
-    static struct json_scan s;  /* 48 KiB of key slots: not on the stack */
-    memset(&s, 0, sizeof s);
+    static struct json_scan s;  /* 48 KiB of key slots: not on the stack, and written only as keys fill them */
     s.p = data;
     s.end = data + len;
+    s.keys = 0;
+    memset(s.top, 0, sizeof s.top);
     json_blank(&s);
     if (s.p == s.end || *s.p != '{' || json_object(&s, 1))
         return -1;

@@ -182,6 +182,33 @@ def handle(conn: socket.socket, *, request_timeout: float, config: OwnConfig) ->
 _answered_no_gpu: list[str] = []
 
 
+#: A `no-gpu` notice's bytes at most, as gpuhook-relay sends it (relay/answers.h MAX_ID): a longer one is read
+#: the usual way.
+_NOTICE_LIMIT = 64 + 256
+
+
+def take_notice(conn: socket.socket, config: OwnConfig) -> bool:
+    """Log a relay's `no-gpu` notice that is in *conn* whole already (the relay sends it in one write, at once),
+    with no request machinery: it needs no wait, no timeout and no word to the pool. False, with nothing read,
+    for anything else (and for a notice not yet whole), which ``handle`` then reads."""
+    try:
+        data = conn.recv(_NOTICE_LIMIT + 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return False
+    line, newline, body = data.partition(b"\n")
+    if not newline or not line.startswith(b"%s %s " % (wire.MAGIC, wire.NO_GPU)):
+        return False
+    try:
+        _, sizes = wire.parse_header(line)
+    except wire.WireError:
+        return False
+    if len(data) > _NOTICE_LIMIT or len(body) != sizes[0]:
+        return False
+    _note_no_gpu(conn, body)
+    _log_answered(config)
+    return True
+
+
 def _note_no_gpu(conn: socket.socket, container_id: bytes) -> None:
     """gpuhook-relay's notice of a no-GPU start it answered itself (relay/answers.h): logged as one answered
     here, when a root process sent it (anyone else could only forge counts; root could write the log)."""
