@@ -163,16 +163,38 @@ static int json_word(struct json_scan *s, const char *word)
     return 0;
 }
 
+/* Past a container's opening byte: 1 if it closes at once with *close*, else 0 (at its first member). */
+static int json_open(struct json_scan *s, char close)
+{
+    s->p++;
+    json_blank(s);
+    if (s->p < s->end && *s->p == close) {
+        s->p++;
+        return 1;
+    }
+    return 0;
+}
+
+/* After a member: 1 if *close* ends the container, 0 if a `,` leads to the next member, -1 otherwise. */
+static int json_next(struct json_scan *s, char close)
+{
+    json_blank(s);
+    if (s->p == s->end)
+        return -1;
+    if (*s->p++ == close)
+        return 1;
+    if (s->p[-1] != ',')
+        return -1;
+    json_blank(s);
+    return 0;
+}
+
 /* `{ "key": value, ... }` with no key twice; at depth 1 it notes the top_names strings. */
 static int json_object(struct json_scan *s, int depth)
 {
     size_t first = s->keys;
-    s->p++;
-    json_blank(s);
-    if (s->p < s->end && *s->p == '}') {
-        s->p++;
+    if (json_open(s, '}'))
         return 0;
-    }
     for (;;) {
         const char *key;
         size_t len;
@@ -204,41 +226,22 @@ static int json_object(struct json_scan *s, int depth)
         } else if (top < TOP_KEYS) {
             s->top[top].seen = 1;  /* not a string: at stays NULL */
         }
-        json_blank(s);
-        if (s->p == s->end)
-            return -1;
-        if (*s->p == '}') {
-            s->p++;
-            s->keys = first;
-            return 0;
+        int next = json_next(s, '}');
+        if (next) {
+            s->keys = first;  /* its keys are done with (on an error nothing reads them again) */
+            return next < 0 ? -1 : 0;
         }
-        if (*s->p++ != ',')
-            return -1;
-        json_blank(s);
     }
 }
 
 static int json_array(struct json_scan *s, int depth)
 {
-    s->p++;
-    json_blank(s);
-    if (s->p < s->end && *s->p == ']') {
-        s->p++;
+    if (json_open(s, ']'))
         return 0;
-    }
     for (;;) {
-        if (json_value(s, depth))
-            return -1;
-        json_blank(s);
-        if (s->p == s->end)
-            return -1;
-        if (*s->p == ']') {
-            s->p++;
-            return 0;
-        }
-        if (*s->p++ != ',')
-            return -1;
-        json_blank(s);
+        int next = json_value(s, depth) ? -1 : json_next(s, ']');
+        if (next)
+            return next < 0 ? -1 : 0;
     }
 }
 

@@ -37,39 +37,44 @@ FORWARDED = 7
 HELD, FREE = "held-ctr", "free-ctr"
 
 
+#: Where the test build's compiled-in defaults are, under its root (relay/answers.h's three #defines).
+DEFAULTS = {"DEFAULT_CONFIG": "etc-gpuhook-config.yaml", "NVIDIA_CONFIG": "etc-nvidia-config.toml",
+            "DEFAULT_STATE_DIR": "run-gpuhook"}
+
+
 @dataclass(frozen=True)
 class Host:
-    """The relay built with its defaults under *root*, and the fake gpuhookd it is pointed at."""
+    """The relay built with its defaults under *root* (bin/gpuhook-relay), and the fake gpuhookd it is pointed at."""
 
-    relay: Path
     root: Path
     daemon: FakeDaemon
 
     @property
+    def relay(self) -> Path:
+        return self.root / "bin" / "gpuhook-relay"
+
+    @property
     def default_config(self) -> Path:
-        return self.root / "etc-gpuhook-config.yaml"
+        return self.root / DEFAULTS["DEFAULT_CONFIG"]
 
     @property
     def nvidia_config(self) -> Path:
-        return self.root / "etc-nvidia-config.toml"
+        return self.root / DEFAULTS["NVIDIA_CONFIG"]
 
     @property
     def default_state_dir(self) -> Path:
-        return self.root / "run-gpuhook"
+        return self.root / DEFAULTS["DEFAULT_STATE_DIR"]
 
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
     root = Path(os.path.realpath(tmp_path_factory.mktemp("answers")))
     (root / "bin").mkdir()
-    paths = Host(root / "bin" / "gpuhook-relay", root, None)  # type: ignore[arg-type] # the paths only
-    defines = " ".join(f'-D{name}="{path}"' for name, path in (
-        ("DEFAULT_CONFIG", paths.default_config), ("NVIDIA_CONFIG", paths.nvidia_config),
-        ("DEFAULT_STATE_DIR", paths.default_state_dir)))
-    subprocess.run([str(ROOT / "relay" / "build.sh"), str(paths.relay)], check=True,
+    defines = " ".join(f'-D{name}="{root / where}"' for name, where in DEFAULTS.items())
+    subprocess.run([str(ROOT / "relay" / "build.sh"), str(root / "bin" / "gpuhook-relay")], check=True,
                    env={**os.environ, "RELAY_DEFINES": defines})
     daemon = FakeDaemon(root / "gpuhookd.sock", wire.encode_reply(b"done", FORWARDED, ""))
-    yield Host(paths.relay, root, daemon)
+    yield Host(root, daemon)
     daemon.close()
 
 
