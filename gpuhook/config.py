@@ -299,7 +299,31 @@ def _load_yaml(text: str, source: str) -> Any:
     try:
         return yaml.load(text, Loader=loader)  # a safe loader
     except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML: {err}") from err
+        raise ConfigError(_yaml_error_line(err, text, source)) from err
+
+
+def _yaml_error_line(err: Any, text: str, source: str) -> str:
+    """PyYAML's error as one line, ``FILE: not valid YAML at LINE:COLUMN: PROBLEM (CONTEXT at LINE:COLUMN)``.
+
+    PyYAML's own text spans four lines and names the document ``<unicode string>``; the hook's
+    failure is one line (runc shows it to the user), so its parts are put together here.
+    """
+    import yaml
+
+    if isinstance(err, yaml.reader.ReaderError):  # a character YAML never allows: it has a position, not a mark
+        line = text.count("\n", 0, err.position) + 1
+        column = err.position - text.rfind("\n", 0, err.position)
+        char = err.character if isinstance(err.character, int) else ord(err.character)
+        return f"{source}: not valid YAML at {line}:{column}: character {char:#06x}: {err.reason}"
+    if not isinstance(err, yaml.MarkedYAMLError) or err.problem_mark is None:
+        return f"{source}: not valid YAML: {' '.join(str(err).split())}"
+    problem_mark = err.problem_mark
+    problem = err.problem or "a syntax error"
+    if err.context:
+        context_mark = err.context_mark
+        at = f" at {context_mark.line + 1}:{context_mark.column + 1}" if context_mark is not None else ""
+        problem += f" ({err.context}{at})"
+    return f"{source}: not valid YAML at {problem_mark.line + 1}:{problem_mark.column + 1}: {problem}"
 
 
 _NOT_FLAT: Final[Any] = object()

@@ -296,7 +296,10 @@ def _flat_state_dir(text: bytes) -> str | None:
             or lines[at][10:11] not in (b"", b" ")  # `state_dir:/x` is one scalar, not a key and its value
             or (at + 1 < len(lines) and not _starts_plainly(lines[at + 1], comment_ok=False))):
         return None
-    return _plain_path(lines[at][len(b"state_dir:"):].partition(b" #")[0].strip(b" "))
+    state_dir = _plain_path(lines[at][len(b"state_dir:"):].partition(b" #")[0].strip(b" "))
+    if state_dir == "" and (b"gpus" in text or b"device_policy" in text):
+        return None  # null, where a sharing policy may limit GPUs: the full load refuses that (config.build_config)
+    return state_dir
 
 
 def _starts_plainly(line: bytes, *, comment_ok: bool) -> bool:
@@ -307,10 +310,14 @@ def _starts_plainly(line: bytes, *, comment_ok: bool) -> bool:
 
 
 def _plain_path(value: bytes) -> str | None:
-    """A state_dir value: the path, "" for null, None for anything PyYAML might read otherwise."""
+    """A state_dir value: the path, "" for null, None for anything PyYAML might read otherwise.
+
+    Only a plain scalar can be null: a quoted one (``""``, ``'null'``) is a string, which the full
+    load refuses as a state_dir that is no absolute path; so must this, by leaving it to that load.
+    """
     if value[:1] in (b'"', b"'") and len(value) > 1 and value[-1:] == value[:1]:
         value = value[1:-1]
-    if value in (b"", b"~", b"null", b"Null", b"NULL"):  # empty: the next line is no block (checked)
+    elif value in (b"", b"~", b"null", b"Null", b"NULL"):  # empty: the next line is no block (checked)
         return ""
     if (not value.startswith(b"/") or any(c in value for c in b"\"'#:{}[],&*!|>%@`")
             or any(c < 0x20 or c >= 0x7F for c in value)):

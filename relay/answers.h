@@ -398,16 +398,20 @@ static int flat_state_dir(char *text, size_t len, const char **dir)
         value++;
     while (stop > value && stop[-1] == ' ')
         stop--;
-    /* hookcall._plain_path */
-    if (stop - value > 1 && (*value == '"' || *value == '\'') && stop[-1] == *value)
+    /* hookcall._plain_path: only a plain scalar can be null; a quoted one ("", 'null') is a string */
+    int quoted = stop - value > 1 && (*value == '"' || *value == '\'') && stop[-1] == *value;
+    if (quoted)
         value++, stop--;
     size_t n = (size_t)(stop - value);
-    if (n == 0 || (n == 1 && *value == '~') ||
-        (n == 4 && (!memcmp(value, "null", 4) || !memcmp(value, "Null", 4) || !memcmp(value, "NULL", 4)))) {
+    if (!quoted && (n == 0 || (n == 1 && *value == '~') ||
+                    (n == 4 && (!memcmp(value, "null", 4) || !memcmp(value, "Null", 4) || !memcmp(value, "NULL", 4))))) {
+        /* null, where a sharing policy may limit GPUs: the full load refuses that (config.build_config) */
+        if (has_bytes(text, len, "gpus") || has_bytes(text, len, "device_policy"))
+            return -1;
         *dir = "";
         return 0;
     }
-    if (*value != '/')
+    if (n == 0 || *value != '/')
         return -1;
     for (const char *c = value; c < stop; c++)
         if ((unsigned char)*c < 0x20 || (unsigned char)*c >= 0x7f || strchr("\"'#:{}[],&*!|>%@`", *c))

@@ -12,7 +12,7 @@ import os
 import sys
 
 from gpuhook import __version__
-from gpuhook.errors import GpuHookError, UsageError, report_failure
+from gpuhook.errors import GpuHookError, SpecError, UsageError, report_failure
 from gpuhook.hookcall import STAGES, HookArgs, check_environment, parse_hook_argv
 
 TYPE_CHECKING = False  # importing typing costs ~3 ms of every container start
@@ -123,13 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hook is not None:
             from gpuhook.cli.hook import run_hook
 
-            return run_hook(hook, sys.stdin.fileno(), os.environ)
+            return run_hook(hook, _stdin_fd("the OCI state"), os.environ)
         args: Any = _parser().parse_args(words)
         if args.command in STAGES:  # a spelling only argparse takes (an abbreviated option)
             from gpuhook.cli.hook import run_hook
 
             hook = HookArgs(args.command, args.config, args.debug, args.daemon_socket)
-            return run_hook(hook, sys.stdin.fileno(), os.environ)
+            return run_hook(hook, _stdin_fd("the OCI state"), os.environ)
         if args.command in ACTS_FOR_CONTAINERS:
             check_environment(os.environ, fix="Run it from a shell or unit without them (env -u NAME ..., "
                                               "or the unit's Environment=/UnsetEnvironment=)")
@@ -141,6 +141,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `gpuhook plan | head`: the reader left; exit quietly instead of a traceback at shutdown.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _stdin_fd(what: str) -> int:
+    """fd 0, which a command reading *what* from stdin reads; refused when this process was started without one."""
+    # Python leaves sys.stdin None when fd 0 was closed at its start (`<&-`): a file opened since may hold fd 0.
+    stream = sys.stdin
+    try:
+        if stream is not None:
+            return stream.fileno()
+    except (OSError, ValueError):  # a closed or fd-less stream
+        pass
+    raise SpecError(f"stdin is closed; this command reads {what} from it (a runtime passes it; by hand: "
+                    f"gpuhook ... < FILE)")
 
 
 def exit_now(status: int) -> NoReturn:
@@ -180,7 +193,7 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911, PLR0912 - one return (one 
         case "precreate":
             from gpuhook.cli import specedit
 
-            return specedit.run_precreate(config, debug, sys.stdin.fileno(), env)
+            return specedit.run_precreate(config, debug, _stdin_fd("the spec"), env)
         case "cdi":
             from gpuhook.cli import cdi
 
@@ -190,7 +203,7 @@ def _run_command(args: Any) -> int:  # noqa: PLR0911, PLR0912 - one return (one 
         case "cdi-hook":
             from gpuhook.cli import cdi
 
-            return cdi.run_update_ldcache(config, debug, sys.stdin.fileno(), env, args.folder)
+            return cdi.run_update_ldcache(config, debug, _stdin_fd("the OCI state"), env, args.folder)
         case "install":
             from pathlib import Path
 

@@ -60,15 +60,41 @@ _BLANK = " \t\n\r"
 
 
 def decode(text: str) -> Any:
-    """One JSON document, like json.loads with our hooks; raises ValueError or RecursionError."""
+    """One JSON document, like json.loads with our hooks; raises ValueError or RecursionError.
+
+    A syntax error's ValueError says what was expected and where (``Expecting ',' delimiter: line 1
+    column 9 (char 8)``, as json.loads words it).
+    """
     start = len(text) - len(text.lstrip(_BLANK))
     try:
-        value, end = _scan(text, start)
-    except StopIteration as err:
-        raise ValueError(f"expecting a value at character {err.value}") from None
+        value, end = _scan_once(text, start)
+    except SystemError:
+        # CPython 3.11's scanner reports a syntax error as json.decoder.JSONDecodeError, but finds that
+        # class only in sys.modules (3.12 imports it), and json.decoder is not imported on the hot path:
+        # without it the report itself fails. Only bad input gets here, so import it now and scan again
+        # (scanning is deterministic: the same error, this time raised whole).
+        import json.decoder  # noqa: F401 - imported for the scanner's sake
+
+        value, end = _scan_once(text, start)
     if text[end:].strip(_BLANK):
-        raise ValueError(f"extra data at character {end}")
+        raise ValueError(f"Extra data: {_where(text, end)}")
     return value
+
+
+def _scan_once(text: str, start: int) -> tuple[Any, int]:
+    """The value at *start* and where it ends; a syntax error is a ValueError naming its place."""
+    try:
+        value, end = _scan(text, start)
+    except StopIteration as err:  # nothing that starts a value at err.value
+        raise ValueError(f"Expecting value: {_where(text, err.value)}") from None
+    return value, end
+
+
+def _where(text: str, at: int) -> str:
+    """*at* (a character index of *text*) as json.decoder.JSONDecodeError words a place."""
+    line = text.count("\n", 0, at) + 1
+    column = at - text.rfind("\n", 0, at)
+    return f"line {line} column {column} (char {at})"
 
 
 def loads_object(data: bytes, *, what: str, limit: int) -> Mapping[str, Any]:
@@ -76,8 +102,15 @@ def loads_object(data: bytes, *, what: str, limit: int) -> Mapping[str, Any]:
     if len(data) > limit:
         raise SpecError(f"{what} is {len(data)} bytes; the limit is {limit}")
     try:
-        value = decode(data.decode("utf-8"))
-    except (ValueError, RecursionError) as err:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{what} is not UTF-8: byte {data[err.start]:#04x} at offset {err.start} ({err.reason})"
+                        ) from None
+    try:
+        value = decode(text)
+    except RecursionError:
+        raise SpecError(f"{what} nests arrays or objects too deeply to decode") from None
+    except ValueError as err:
         raise SpecError(f"{what} is not valid JSON: {err}") from err
     if not isinstance(value, dict):
         raise SpecError(f"{what} must be a JSON object, got {type(value).__name__}")

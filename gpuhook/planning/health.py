@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 
-from gpuhook.errors import RequestError
+# defined in errors, as every error is (so that any process rebuilds it); imported from here too
+from gpuhook.errors import UnhealthyGpuError
 from gpuhook.inventory import Gpu, LiveFacts, bus_key
 
 
@@ -17,10 +18,6 @@ class HealthPolicy(enum.StrEnum):
     WARN = "warn"
     #: health is not looked at (nor is the kernel log read for Xids)
     IGNORE = "ignore"
-
-
-class UnhealthyGpuError(RequestError):
-    """A selected GPU is not fit to run work."""
 
 
 def problems(gpu: Gpu, live: LiveFacts) -> list[str]:

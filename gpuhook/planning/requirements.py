@@ -7,13 +7,10 @@ CUDA version it supports, and the three ways out.
 
 from __future__ import annotations
 
-from gpuhook.errors import RequestError
+# defined in errors, as every error is (so that any process rebuilds it); imported from here too
+from gpuhook.errors import RequirementError
 from gpuhook.inventory import Gpu, Inventory
 from gpuhook.request.requirements import Facts, Requirement, cuda_needed, driver_hint, satisfied
-
-
-class RequirementError(RequestError):
-    """The host or a selected GPU does not meet the image's requirements."""
 
 
 def check_requirements(requirements: tuple[Requirement, ...], inventory: Inventory, gpus: tuple[Gpu, ...]) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,6 +104,29 @@ def test_refusals(text: str, message: str) -> None:
     """Bad settings are refused with a message naming the key and the expectation."""
     with pytest.raises(ConfigError, match=message):
         parse_config(text)
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    pytest.param("log_level: info\nstate_dir: [a\ncache_dir: /x\n",
+                 "at 3:10: did not find expected ',' or ']' (while parsing a flow sequence at 2:12)", id="flow"),
+    pytest.param("a: b: c\n", "at 1:5: mapping values are not allowed in this context", id="mapping"),
+    pytest.param('log_file: "\\q"\n', "at 1:12: found unknown escape character (while parsing a quoted scalar at 1:11)",
+                 id="escape"),
+    pytest.param("a: 1\n\tb: 2\n",
+                 "at 2:1: found a tab character that violates indentation (while scanning a plain scalar at 1:4)",
+                 id="tab"),
+    pytest.param("log_level: info\nlog_file: /x\x01\n", "at 2:13: character 0x0001: control characters are not allowed",
+                 id="control-character"),
+])
+def test_a_yaml_error_is_one_line_naming_the_file_and_place(tmp_path: Path, text: str, problem: str) -> None:
+    """``gpuhook --config bad.yaml info``: one ``gpuhook:`` line with the file, line:column and the problem
+    (PyYAML's own text spans four lines and names no file), exit 1."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    proc = subprocess.run([sys.executable, "-I", "-m", "gpuhook", "--config", str(config), "info"],
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=60, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [f"gpuhook: {config}: not valid YAML {problem}"]
 
 
 def test_flat_subset_reads_like_pyyaml() -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -242,6 +245,24 @@ def test_a_null_state_dir_means_no_lease(tmp_path: Path, line: str, monkeypatch:
     assert lease_may_exist(_config(tmp_path, line + "\n"), {}, "held") is False
 
 
+@pytest.mark.parametrize("text", [
+    pytest.param('state_dir: ""\n', id="empty-string"),
+    pytest.param("state_dir: ''\n", id="empty-single-quoted"),
+    pytest.param("state_dir: 'null'  # quoted: a string\n", id="quoted-null"),
+    pytest.param("state_dir: null\ngpus: [{device: 0, sharing: exclusive}]\n", id="null-beside-a-policy"),
+])
+def test_a_state_dir_the_config_loader_refuses_goes_to_the_full_path(tmp_path: Path, text: str) -> None:
+    """The real loader refuses these for their state_dir, so the fast path must not answer "no lease" (exit 0):
+    the full path then refuses them with the loader's message."""
+    from gpuhook.config import read_config
+    from gpuhook.errors import ConfigError
+
+    config = _config(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(config)}: state_dir"):
+        read_config(Path(config), required=True)
+    assert lease_may_exist(config, {}, "c1") is True
+
+
 def test_without_state_dir_the_default_directory_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A config that does not set state_dir: the default's ledger decides."""
     from gpuhook import hookcall
@@ -346,3 +367,14 @@ def test_the_tripwire_says_whose_environment_to_fix() -> None:
         check_environment({"LD_PRELOAD": "/x.so"})
     with pytest.raises(UnsafeEnvironmentError, match=r"LD_AUDIT.*gpuhook-runtime inherits its engine's environment"):
         check_environment({"LD_AUDIT": "/x.so"}, fix=ENGINE_ENV_FIX)
+
+
+@pytest.mark.parametrize("command", [["prestart"], ["poststop"], ["--debug", "createRuntime"], ["precreate"]])
+def test_a_closed_stdin_is_one_line(command: list[str]) -> None:
+    """A hook started with stdin closed (``<&-``: Python's sys.stdin is then None) says so in one line, exit 1."""
+    proc = subprocess.run(["/bin/sh", "-c", 'exec "$0" -I -m gpuhook "$@" <&-', sys.executable, *command],
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=60, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"gpuhook: stdin is closed; this command reads {'the spec' if command == ['precreate'] else 'the OCI state'} "
+        "from it (a runtime passes it; by hand: gpuhook ... < FILE)"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,7 @@ def test_legacy_bundle_path_and_poststop_without_pid() -> None:
         pytest.param(b'{"id":"a","pid":1,"bundle":"b"}', "absolute", id="relative-bundle"),
         pytest.param(b"[1]", "JSON object", id="array"),
         pytest.param(b"{" * 100000, "not valid JSON", id="deep-nesting"),
+        pytest.param(b"[" * 100000, "nests arrays or objects too deeply", id="deep-arrays"),
         pytest.param(b" " * (2 << 20), "limit", id="too-big"),
     ],
 )
@@ -130,3 +133,62 @@ def test_decoder_refuses_what_it_must(text: str) -> None:
 
     with pytest.raises((ValueError, RecursionError)):
         decode(text)
+
+
+# --- bad input in a fresh hook process ---------------------------------------------------------------
+#
+# In a test process json is imported, so CPython 3.11's C scanner finds json.decoder and reports a
+# syntax error whole; the hook never imports json, so these run the hook as runc does: a fresh `python -I`.
+
+#: (bytes, what the one line must say): every way a document can be bad, each named with its place.
+BAD_DOCUMENTS = [
+    pytest.param(b"{", "is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+                 id="open-brace"),
+    pytest.param(RUNC_STATE[:40], "is not valid JSON: Unterminated string starting at: line 1 column 37 (char 36)",
+                 id="truncated"),
+    pytest.param(b'{"id": "c1",\n "bundle": ', "is not valid JSON: Expecting value: line 2 column 12 (char 24)",
+                 id="truncated-after-a-key"),
+    pytest.param(b"{'id': 'c1'}",
+                 "is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+                 id="single-quotes"),
+    pytest.param(b'{"id": "c\x001"}', "is not valid JSON: Invalid control character at: line 1 column 10 (char 9)",
+                 id="nul-in-a-string"),
+    pytest.param(b"\x00", "is not valid JSON: Expecting value: line 1 column 1 (char 0)", id="nul"),
+    pytest.param(b'{"id": "c1"} {}', "is not valid JSON: Extra data: line 1 column 13 (char 12)", id="trailing-data"),
+    pytest.param(b'{"id": "\xff"}', "is not UTF-8: byte 0xff at offset 8 (invalid start byte)", id="invalid-utf-8"),
+    pytest.param(b'{"a": ' + b"[" * 100000, "nests arrays or objects too deeply to decode", id="huge-nesting"),
+]
+
+
+def _fresh_hook(stdin: bytes, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """``python -I -m gpuhook ARGS`` as a runtime runs the hook: a clean environment, *stdin* as its stdin."""
+    return subprocess.run([sys.executable, "-I", "-m", "gpuhook", *args], input=stdin, capture_output=True,
+                          env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, timeout=60, check=False)
+
+
+def _one_failure_line(proc: subprocess.CompletedProcess[bytes]) -> str:
+    """The hook's only stderr line, once it is certain that it failed (exit 1) without a traceback."""
+    err = proc.stderr.decode("utf-8", "replace")
+    assert "Traceback" not in err, err
+    assert proc.returncode == 1, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpuhook: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize(("data", "message"), BAD_DOCUMENTS)
+def test_a_bad_state_is_one_line_from_a_fresh_hook(data: bytes, message: str) -> None:
+    """The OCI state on stdin, bad in any of these ways: one ``gpuhook:`` line naming what and where, exit 1."""
+    assert _one_failure_line(_fresh_hook(data, "prestart")) == f"gpuhook: the OCI state on stdin {message}"
+
+
+@pytest.mark.parametrize(("data", "message"), BAD_DOCUMENTS)
+def test_a_bad_config_json_is_one_line_from_a_fresh_hook(tmp_path: Path, data: bytes, message: str) -> None:
+    """config.json bad in the same ways (with a GPU request in it, so it is decoded): the same one line."""
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    # A GPU marker right after the document's error: the place the message names is the same as in the state.
+    (bundle / "config.json").write_bytes(data + b"NVIDIA_VISIBLE_DEVICES")
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "creating", "pid": 1, "bundle": str(bundle)})
+    line = _one_failure_line(_fresh_hook(state.encode(), "prestart"))
+    assert line == f"gpuhook: {bundle}/config.json {message}"

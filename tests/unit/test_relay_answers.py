@@ -159,7 +159,22 @@ CONFIGS = [
     "log_level: é\nstate_dir: {empty}\n", "%YAML 1.1\n---\nstate_dir: {empty}\n", "---\nstate_dir: {empty}\n",
     "State_dir: {empty}\n", "state_dir: \"{empty}\n", "state_dir: {empty}\x01\n", "state_dir: ' {empty}'\n",
     "# pad\n" * 200_000 + "state_dir: {empty}\n",  # over 1 MiB: its head could hide the line that follows
+    # quoted, so strings (the full load refuses them), not null; a null state_dir beside a sharing policy
+    "state_dir: ''\n", "state_dir: 'null'\n", "state_dir: \"~\"\n", "state_dir: \"NULL\"  # x\n",
+    "state_dir: null\ngpus: [{{device: 0, sharing: exclusive}}]\n", "device_policy: {empty}/p.json\nstate_dir:\n",
 ]
+
+
+def _loader_refuses_state_dir(config: Path) -> bool:
+    """Whether the real config loader refuses *config* for its state_dir (it may refuse other settings too)."""
+    from gpuhook.config import read_config
+    from gpuhook.errors import ConfigError
+
+    try:
+        read_config(config, required=True)
+    except ConfigError as err:
+        return str(err).startswith(f"{config}: state_dir")
+    return False
 
 
 @pytest.mark.usefixtures("python_defaults")
@@ -171,9 +186,11 @@ def test_the_config_is_read_as_the_python_hook_reads_it(host: Host, tmp_path: Pa
     config = tmp_path / "gpuhook.yaml"
     config.write_bytes(template.format(held=held, empty=empty).encode())
     _ledger(host.default_state_dir, HELD)
+    refused = _loader_refuses_state_dir(config)
     for container_id in (HELD, FREE, "held"):  # "held": a prefix of a held id is not held
         expected = not hookcall.lease_may_exist(str(config), {}, container_id)
         assert answered(host, ["--config", str(config), "poststop"], _state(container_id)) is expected, container_id
+        assert not (expected and refused), "a config the loader refuses is answered as if it held no lease"
 
 
 @pytest.mark.usefixtures("python_defaults")
@@ -498,7 +515,8 @@ def test_no_mutated_state_is_answered_that_the_decoder_refuses(host: Host, edits
 _CONFIG_LINES = ["state_dir: {held}", "state_dir: {empty}", "state_dir: '{held}'", "state_dir: {held} # c",
                  "state_dir:", "state_dir: ~", "log_level: info", "# state_dir: {held}", "", "  x: 1", "\tx",
                  "metrics:", "  listen: 127.0.0.1:9400", "\"state_dir\": {held}", "- state_dir", "state_dir:{held}",
-                 "gpus: [{{device: 0}}]", "{{state_dir: {held}}}", "x: \\u0041", "state_dirs: 1", "é: 1"]
+                 "gpus: [{{device: 0}}]", "{{state_dir: {held}}}", "x: \\u0041", "state_dirs: 1", "é: 1",
+                 "state_dir: ''", "state_dir: \"null\""]
 
 
 @pytest.mark.usefixtures("python_defaults")
