@@ -51,8 +51,9 @@ def run_daemon(socket_path: str, *, request_timeout: float, env: MutableMapping[
 
 
 def _fork_metrics(config: Config, listener_fd: int) -> int:
-    """The metrics process: serves the endpoint until gpuhookd ends (it dies with it). No start waits on it,
-    so it being slow, stopped or dead costs a start nothing; it is not restarted (the journal says it died)."""
+    """The metrics process: serves the endpoint until gpuhookd ends (it dies with it), unprivileged, with a root
+    child that reads what it serves (metrics.serve). No start waits on it, so it being slow, stopped or dead
+    costs a start nothing; it is not restarted (the journal says it died)."""
     import signal
 
     from gpuhook.daemon import metrics

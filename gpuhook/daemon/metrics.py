@@ -2,7 +2,8 @@
 
 gpuhookd serves them from a process of its own (``serve``, forked at its start when
 ``metrics_listen`` is set): the starts never talk to it, so a dead or stopped metrics process
-cannot slow one. What it serves is computed at each scrape (``Collector``), read-only:
+cannot slow one. It talks to whoever connects as SERVE_AS, through ``httpd`` (bounded connections
+and time); its root child computes the text at each scrape (``Collector``), one at a time, read-only:
 
 * **counters** from gpuhook's own log (``log_file``): each start logs its outcome there, whether a
   gpuhookd worker served it or the hook did it in-process, so both are counted without the start
@@ -19,15 +20,21 @@ collector). The names in ``METRICS`` are the contract (packaging/grafana/ is che
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterator
+import socket
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, BinaryIO, Final, NoReturn
 
 from gpuhook import service
+from gpuhook.errors import ConfigError
 
 if TYPE_CHECKING:
+    import pwd
+
     from prometheus_client.registry import Collector as _Base
 
     from gpuhook.config import Config
@@ -45,20 +52,39 @@ METRICS: Final = (
     "gpuhook_container_gpu_info",
     "gpuhook_mig_instances",
     "gpuhook_mps_daemon_up",
+    "gpuhook_mps_daemon_ok",
     "gpuhook_container_gpu_memory_used_bytes",
 )
 
 #: GPU start durations: buckets that resolve 10-200 ms, and the tail.
 BUCKETS: Final = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
-#: The refusal reasons, by error class (a refusal is the container's request being turned down).
+#: The refusal reasons by error class, for log lines older than the events' own ``reason`` (a refusal is the
+#: container's request being turned down).
 REASONS: Final = {
     "UnknownDeviceError": "unknown_device", "RequirementError": "requirement", "UnhealthyGpuError": "unhealthy",
     "BusyError": "busy", "PolicyError": "policy", "RequestError": "bad_request", "SpecError": "bad_spec",
 }
+#: The reasons that are refusals; any other reason is gpuhook's own failure (result ``error``).
+REFUSALS: Final = frozenset({*REASONS.values(), "mig_no_room"})
 #: Inventory cache outcomes (discovery.Outcome) as hit, miss or rebuild.
 _CACHE: Final = {"hit": "hit", "refresh": "rebuild", "mig-changed": "rebuild"}
 #: A log larger than this is read from its last part only, the first time.
 _FIRST_READ_LIMIT: Final = 64 << 20
+#: Who the endpoint's process serves as: it reads what any local user sends it, so it keeps nothing of root's
+#: (what it serves, its root child reads).
+SERVE_AS: Final = "nobody"
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """The counters as one ``LogCounters.update`` left them (a copy: later scrapes do not change it)."""
+
+    starts: dict[tuple[str, str, str], int]
+    refusals: dict[str, int]
+    cache: dict[str, int]
+    buckets: tuple[int, ...]
+    duration_sum: float
+    duration_count: int
 
 
 @dataclass(slots=True)
@@ -75,9 +101,18 @@ class LogCounters:
     _inode: int | None = None
     _offset: int = 0
     _partial: bytes = b""
+    #: held from reading the saved offset to counting the lines read: two scrapes at once must neither count
+    #: the same lines twice nor lose any
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def update(self) -> None:
-        """Count the lines logged since the last call (from the start after a rotation)."""
+    def update(self) -> Counts:
+        """Count the lines logged since the last call (from the start after a rotation); the counts then."""
+        with self._lock:
+            self._read_new()
+            return Counts(dict(self.starts), dict(self.refusals), dict(self.cache), tuple(self.buckets),
+                          self.duration_sum, self.duration_count)
+
+    def _read_new(self) -> None:
         if self.path is None:
             return
         try:
@@ -110,12 +145,12 @@ class LogCounters:
         elif name == "no_gpu_requested":
             self._start("ok", served_by, "no")
         elif name == "hook_failed":
-            reason = REASONS.get(str(event.get("kind")))
-            if reason == "busy" and "no room for a" in str(event.get("error")):
-                reason = "mig_no_room"
-            self._start("refused" if reason else "error", served_by, "no" if reason == "bad_spec" else "yes")
-            if reason:
-                self.refusals[reason] = self.refusals.get(reason, 0) + 1
+            given = event.get("reason")  # the error class's own; an older line has only the class name
+            reason = given if isinstance(given, str) and given else REASONS.get(str(event.get("kind")))
+            refusal = reason if reason in REFUSALS else None
+            self._start("refused" if refusal else "error", served_by, "no" if refusal == "bad_spec" else "yes")
+            if refusal:
+                self.refusals[refusal] = self.refusals.get(refusal, 0) + 1
         elif name == "host_discovered":
             result = _CACHE.get(str(event.get("cache")), "miss")
             self.cache[result] = self.cache.get(result, 0) + 1
@@ -143,8 +178,7 @@ class Collector(_Base):
         """The families, from the log's new lines, the ledger and the inventory as they are now."""
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-        counters = self.counters
-        counters.update()
+        counters = self.counters.update()
         starts = CounterMetricFamily("gpuhook_container_starts", "Container starts gpuhook saw, by outcome",
                                      labels=("result", "served_by", "gpus"))
         for (result, served_by, gpus), value in sorted(counters.starts.items()):
@@ -191,28 +225,123 @@ def host_families(config: Config) -> Iterator[Any]:
         mig.add_metric((str(parent), profile, "true" if created else "false"), count)
     for (container_id, on), used in sorted(view.memory.items()):
         memory.add_metric((container_id, str(on)), used)
-    yield from (info, holders, held, mig, mps, memory)
+    yield from (info, holders, held, mig, mps, memory, _mps_ok(config))
+
+
+def _mps_ok(config: Config) -> Any:
+    """1 while the daemon behind a GPU's MPS pipes is gpuhook's recorded one with its limits, else 0."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from gpuhook.errors import GpuHookError
+
+    family = GaugeMetricFamily("gpuhook_mps_daemon_ok", "The MPS daemon behind the GPU's pipes is gpuhook's, "
+                               "with the policy's limits", labels=("gpu", "uuid"))
+    try:
+        inventory = service.host_inventory(config).inventory
+        checks = service.mps_checks(config, inventory)
+    except GpuHookError:  # no ledger to read, no nvidia-cuda-mps-control: no daemon to judge
+        return family
+    index = {g.uuid: g.index for g in inventory.gpus}
+    for uuid, problems in sorted(checks.items()):
+        family.add_metric((str(index.get(uuid, "")), uuid), 0 if problems else 1)
+    return family
 
 
 def render(config: Config) -> bytes:
     """The exposition text once (``gpuhook status --prometheus``): the log's counters read whole."""
+    return _renderer(config)()
+
+
+def _renderer(config: Config) -> Callable[[], bytes]:
+    """The exposition text at each call, the log's counters kept from call to call."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Collector(config))
-    return bytes(generate_latest(registry))
+    return lambda: bytes(generate_latest(registry))
 
 
 def serve(config: Config) -> None:
-    """Serve the endpoint on ``config.metrics_listen`` until killed (the metrics process's body)."""
+    """Serve the endpoint on ``config.metrics_listen`` until killed (the metrics process's body).
+
+    As root: bind the port and fork the collector (``_collect``), which stays root to read the ledger, the
+    log and NVML, one scrape at a time. Then become SERVE_AS, holding only the port and the socket to the
+    collector, and serve (``httpd``: bounded connections and time), each scrape's text asked of the collector.
+    """
+    import pwd
     import signal
 
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+    from gpuhook.daemon import httpd
+    from gpuhook.sys import process
 
     assert config.metrics_listen is not None
+    try:
+        user = pwd.getpwnam(SERVE_AS)
+    except KeyError:
+        raise ConfigError(f"the metrics endpoint serves as the user {SERVE_AS!r}, which this host lacks. Fix: "
+                          f"create it (adduser --system {SERVE_AS}) or unset metrics_listen") from None
     host, _, port = config.metrics_listen.rpartition(":")
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Collector(config))
-    start_http_server(int(port), addr=host.strip("[]"), registry=registry)
-    while True:
-        signal.pause()
+    host = host.strip("[]")
+    listener = socket.create_server((host, int(port)), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    ours, theirs = socket.socketpair()
+    gpuhookd = os.getppid()
+    if os.fork() == 0:
+        listener.close()
+        ours.close()
+        _collect(theirs, config)
+    theirs.close()
+    _become(user, keep=(listener.fileno(), ours.fileno()))
+    process.prctl(process.PR_SET_PDEATHSIG, signal.SIGTERM)  # the credential change cleared gpuhookd's
+    if os.getppid() != gpuhookd:
+        return  # gpuhookd ended before: end with it
+    answers = ours.makefile("rb")
+    httpd.serve(listener, httpd.Page("/metrics", CONTENT_TYPE_LATEST, lambda: _ask(ours, answers)))
+
+
+def _become(user: pwd.struct_passwd, *, keep: tuple[int, ...]) -> None:
+    """Become *user* for good (real, effective and saved ids, no supplementary groups, no new privileges),
+    holding no fd of gpuhookd's but stdio and *keep*. The others (its log file open for writing among them)
+    are pointed at /dev/null rather than closed: a number closed under an object that still believes it
+    owns it could be reused, and later closed under a connection."""
+    from gpuhook.sys import process
+
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        if fd > 2 and fd != null and fd not in keep:
+            with contextlib.suppress(OSError):  # the listing's own fd, closed by now
+                os.dup2(null, fd)
+    os.close(null)
+    os.setgroups([])
+    os.setresgid(user.pw_gid, user.pw_gid, user.pw_gid)
+    os.setresuid(user.pw_uid, user.pw_uid, user.pw_uid)
+    process.prctl(process.PR_SET_NO_NEW_PRIVS, 1)
+    process.prctl(process.PR_SET_DUMPABLE, 0)  # other processes of SERVE_AS may not ptrace it or read its memory
+
+
+def _ask(collector: socket.socket, answers: BinaryIO) -> bytes:
+    """One scrape's text from the collector; RuntimeError with its line if it failed, SystemExit if it ended."""
+    collector.sendall(b"?")
+    head = answers.read(9)  # ok or not, and the text's size
+    size = int.from_bytes(head[1:], "big") if len(head) == 9 else -1
+    text = answers.read(size) if size >= 0 else b""
+    if len(text) != size:
+        raise SystemExit("its collector (a child process) ended")
+    if not head[0]:
+        raise RuntimeError(text.decode(errors="replace"))
+    return text
+
+
+def _collect(server: socket.socket, config: Config) -> NoReturn:
+    """The collector's body (root, one thread): for each byte the server sends, a scrape's text (or why not),
+    until the server ends. One scrape at a time, so the counters count each log line once."""
+    make = _renderer(config)
+    with contextlib.suppress(OSError):
+        while server.recv(1):
+            try:
+                ok, text = 1, make()
+            except Exception as err:  # noqa: BLE001  (the scrape fails with its line; the next may succeed)
+                ok, text = 0, str(err).encode()
+            server.sendall(bytes([ok]) + len(text).to_bytes(8, "big") + text)
+    os._exit(0)

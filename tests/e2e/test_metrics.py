@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import selectors
 import signal
 import socket
+import threading
 import subprocess
 import sys
 import time
@@ -22,7 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from gpuhook.daemon import httpd
 from integration.engines import require_tool
 from integration.fakehost import FakeHost, create_host
 from integration.gpuhookd import Gpuhookd
@@ -73,6 +79,18 @@ class Rig:
     def jobs(self) -> dict[str, list[str]]:
         return {p.name: p.read_text().split() for p in sorted(self.job_dir.iterdir())} if self.job_dir.exists() else {}
 
+    def scrape(self, timeout: float = 10.0) -> str:
+        """The endpoint's text, fetched by hand."""
+        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=timeout) as answer:
+            return answer.read().decode()  # type: ignore[no-any-return]
+
+    def address(self) -> tuple[str, int]:
+        host, _, port = self.metrics.rpartition(":")
+        return host, int(port)
+
+    def log_file(self) -> Path:
+        return Path(yaml.safe_load(self.site.config.read_text())["log_file"])
+
     def metrics_pid(self) -> int:
         """The metrics process: the gpuhookd child listening on the endpoint's port (from its journal line)."""
         line = next(line for line in self.daemon.journal.read_text().splitlines() if "metrics on http" in line)
@@ -81,29 +99,53 @@ class Rig:
 
 @pytest.fixture
 def rig(tmp_path: Path, rootfs_src: Path, relay: Path) -> Iterator[Rig]:
-    prometheus = require_tool("prometheus")
+    """The site, its gpuhookd serving metrics, and Prometheus scraping them every second."""
+    yield from _serving(tmp_path, rootfs_src, relay, prometheus=require_tool("prometheus"))
+
+
+@pytest.fixture
+def served(tmp_path: Path, rootfs_src: Path, relay: Path) -> Iterator[Rig]:
+    """The site and its gpuhookd serving metrics, nobody else scraping them (the tests scrape by hand)."""
+    yield from _serving(tmp_path, rootfs_src, relay, prometheus=None)
+
+
+def _serving(tmp_path: Path, rootfs_src: Path, relay: Path, *, prometheus: str | None) -> Iterator[Rig]:
     host: FakeHost = create_host(tmp_path / "host", gpus=4)
     site = Site(tmp_path / "site", host, rootfs_src, [{"device": 0, "sharing": "exclusive"}])
     metrics, web, job_dir = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", tmp_path / "jobs"
     with site.config.open("a") as config:
         config.write(f"metrics_listen: {metrics}\nhpc_job_mapping_dir: {job_dir}\n")
     daemon = Gpuhookd(sys.executable, tmp_path / "gpuhookd", config=site.config)
-    scrape = tmp_path / "prometheus.yml"
-    scrape.write_text(f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n"
-                      f"scrape_configs: [{{job_name: gpuhook, static_configs: [{{targets: ['{metrics}']}}]}}]\n")
-    server = subprocess.Popen([prometheus, f"--config.file={scrape}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                               f"--web.listen-address={web}"], stdout=subprocess.DEVNULL,
-                              stderr=(tmp_path / "prometheus.log").open("wb"))
+    server = None
+    if prometheus is not None:
+        scrape = tmp_path / "prometheus.yml"
+        scrape.write_text(f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n"
+                          f"scrape_configs: [{{job_name: gpuhook, static_configs: [{{targets: ['{metrics}']}}]}}]\n")
+        server = subprocess.Popen([prometheus, f"--config.file={scrape}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                   f"--web.listen-address={web}"], stdout=subprocess.DEVNULL,
+                                  stderr=(tmp_path / "prometheus.log").open("wb"))
     made = Rig(site, daemon, metrics, web, job_dir, relay)
     try:
-        wait_for("prometheus scrapes gpuhook", lambda: _up(made), timeout=SCRAPE_WAIT_S)
+        wait_for("the endpoint answers", lambda: _answers(made), timeout=SCRAPE_WAIT_S)
+        if server is not None:
+            wait_for("prometheus scrapes gpuhook", lambda: _up(made), timeout=SCRAPE_WAIT_S)
         yield made
     finally:
         site.cleanup()
-        server.terminate()
-        server.wait(timeout=30)
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
         journal = daemon.stop()
         assert "Traceback" not in journal, journal
+
+
+def _answers(rig: Rig) -> bool:
+    """Whether the metrics process serves yet (gpuhookd answers hooks before it does)."""
+    try:
+        rig.scrape()
+    except OSError:
+        return False
+    return True
 
 
 def _up(rig: Rig) -> bool:
@@ -184,3 +226,127 @@ def test_status_prometheus_prints_the_same_families(rig: Rig) -> None:
     used = [line for line in text.stdout.splitlines() if line.startswith("gpuhook_container_gpu_memory_used_bytes{")]
     assert [(line.split()[0], float(line.split()[1])) for line in used] == [
         (f'gpuhook_container_gpu_memory_used_bytes{{container_id="{a.id}",gpu="0"}}', float(3 << 30))], used
+
+
+def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The series of the family *name* in exposition *text*, by their labels."""
+    return {tuple(sorted(sample.labels.items())): sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name}
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    fields = (line.partition(":") for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {name: value.strip() for name, _, value in fields}
+
+
+def wait_closed(socks: list[socket.socket], timeout: float) -> list[float]:
+    """Wait until the server has closed each of *socks* (its end reads as EOF: it never answered them); the
+    seconds each took. Fails after *timeout*."""
+    start, took = time.monotonic(), []
+    with selectors.DefaultSelector() as waiting:
+        for sock in socks:
+            waiting.register(sock, selectors.EVENT_READ)
+        while waiting.get_map():
+            left = start + timeout - time.monotonic()
+            assert left > 0, f"{len(waiting.get_map())} of {len(socks)} connections still open after {timeout:g} s"
+            for key, _ in waiting.select(left):
+                assert key.fileobj.recv(4096) == b""  # type: ignore[union-attr]
+                waiting.unregister(key.fileobj)
+                took.append(time.monotonic() - start)
+    return took
+
+
+def test_idle_connections_beyond_the_cap_hold_nothing_and_a_scrape_still_succeeds(served: Rig) -> None:
+    """Issue #31: more idle connections than the cap (any local user can open them): a scrape is answered at once
+    all the same, by a process that still runs one thread; the connections over the cap are dropped as the new
+    ones come, and every other one at its deadline."""
+    over = 16
+    idle = [socket.create_connection(served.address()) for _ in range(httpd.MAX_CONNECTIONS + over)]
+    try:
+        start = time.monotonic()
+        text = served.scrape(timeout=httpd.DEADLINE_S)  # answered before the idle ones time out
+        took = time.monotonic() - start
+        assert samples(text, "gpuhook_gpu_holders"), text
+        assert proc_status(served.metrics_pid())["Threads"] == "1"
+        closed = wait_closed(idle, timeout=httpd.DEADLINE_S * 3)
+        print(f"a scrape behind {len(idle)} idle connections: {took * 1000:.0f} ms")
+        assert sum(t < httpd.DEADLINE_S / 2 for t in closed) >= over  # evicted, not timed out
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_slow_loris_connection_is_dropped_at_the_deadline(served: Rig) -> None:
+    """Issue #31: a request head trickled a header line at a time never ends: the server drops the connection at
+    its deadline, unanswered, whatever it keeps sending."""
+    with socket.create_connection(served.address()) as loris:
+        start = time.monotonic()
+        loris.sendall(b"GET /metrics HTTP/1.1\r\nHost: gpuhook\r\n")
+        with selectors.DefaultSelector() as waiting:
+            waiting.register(loris, selectors.EVENT_READ)
+            while not waiting.select(0.25):  # no answer yet: one more header line (the trickle's pace)
+                assert time.monotonic() - start < httpd.DEADLINE_S * 3, "the slow connection is still served"
+                loris.sendall(b"X-Slow: 1\r\n")
+        dropped = time.monotonic() - start
+        assert loris.recv(4096) == b""
+    print(f"a slow-loris connection dropped after {dropped:.2f} s (deadline {httpd.DEADLINE_S:g} s)")
+    assert httpd.DEADLINE_S - 0.5 < dropped < httpd.DEADLINE_S * 2
+
+
+def test_concurrent_scrapes_count_each_start_in_a_growing_log_once(served: Rig) -> None:
+    """Issue #31: rounds of scrapers at once (two Prometheus servers are enough to overlap), the log gaining starts
+    before and during each round: the counter then is exactly the starts written."""
+    rounds, scrapers, batch = 25, 8, 20
+    line = json.dumps({"event": "applied", "served_by": "test-writer", "total_ms": 25.0}).encode() + b"\n"
+    log = os.open(served.log_file(), os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+
+    def write() -> None:
+        os.write(log, line * batch)  # whole lines, as gpuhook's processes append them
+
+    together = threading.Barrier(scrapers, action=write)
+    errors: list[BaseException] = []
+
+    def scrape(first: bool) -> None:
+        try:
+            for _ in range(rounds):
+                together.wait(timeout=60)
+                if first:
+                    write()  # while the others' scrapes read
+                served.scrape()
+        except BaseException as err:  # noqa: BLE001  (reported by the test's thread)
+            errors.append(err)
+            together.abort()
+
+    threads = [threading.Thread(target=scrape, args=(n == 0,)) for n in range(scrapers)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        os.close(log)
+    assert not errors, errors
+    counted = samples(served.scrape(), "gpuhook_container_starts_total")
+    assert counted[(("gpus", "yes"), ("result", "ok"), ("served_by", "test-writer"))] == rounds * batch * 2
+
+
+def test_the_endpoint_serves_unprivileged_and_still_reports_the_ledger_and_the_log(served: Rig) -> None:
+    """Issue #31: the process that talks to the scrapers is nobody (ids, groups, capabilities), holds no fd of
+    gpuhook's log, and still serves the lease a GPU start took and the start it logged (its root child reads
+    them)."""
+    a = served.run(GPU0)
+    assert served.site.started(a) == {0}
+    pid, nobody = served.metrics_pid(), pwd.getpwnam("nobody")
+    status = proc_status(pid)
+    assert status["Uid"].split() == [str(nobody.pw_uid)] * 4 and status["Gid"].split() == [str(nobody.pw_gid)] * 4
+    assert status["Groups"] == "" and int(status["CapEff"], 16) == 0 and status["NoNewPrivs"] == "1"
+    held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    assert str(served.log_file()) not in held
+    lease = (("container_id", a.id), ("gpu", "0"), ("mig_uuid", ""), ("uuid", served.site.host.gpus[0].uuid))
+
+    def reported() -> bool:
+        text = served.scrape()
+        starts = samples(text, "gpuhook_container_starts_total")
+        return (samples(text, "gpuhook_container_gpu_info").get(lease) == 1
+                and starts.get((("gpus", "yes"), ("result", "ok"), ("served_by", "gpuhookd"))) == 1)
+    wait_for("the endpoint reports the lease and the start", reported, timeout=SCRAPE_WAIT_S)

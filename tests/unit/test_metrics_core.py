@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from gpuhook.daemon.metrics import BUCKETS, LogCounters
@@ -27,14 +28,14 @@ def test_counters_follow_the_log_a_line_at_a_time_and_start_over_after_a_rotatio
            {"event": "host_discovered", "cache": "hit"}, {"event": "host_discovered", "cache": "absent"},
            {"event": "host_discovered", "cache": "mig-changed"},
            {"event": "hook_failed", "served_by": "gpuhookd", "kind": "BusyError", "error": "GPU 0 is exclusive"},
-           {"event": "hook_failed", "kind": "BusyError", "error": "'mig=1g.5gb': no room for a 1g.5gb instance"},
+           {"event": "hook_failed", "kind": "BusyError", "error": "GPU 1 is exclusive"},
            {"event": "hook_failed", "kind": "ApplyError", "error": "mount failed"},
            partial='{"event": "applied", "total_ms"')  # a line still being written
     counters = LogCounters(str(log))
     counters.update()
     assert counters.starts == {("ok", "gpuhookd", "yes"): 1, ("refused", "gpuhookd", "yes"): 1,
                                ("refused", "hook", "yes"): 1, ("error", "hook", "yes"): 1}
-    assert counters.refusals == {"busy": 1, "mig_no_room": 1}
+    assert counters.refusals == {"busy": 2}
     assert counters.cache == {"hit": 1, "miss": 1, "rebuild": 1}
     assert counters.duration_count == 1 and counters.buckets == [0, 0, 0] + [1] * (len(BUCKETS) - 3)
     with log.open("a") as rest:
@@ -46,6 +47,51 @@ def test_counters_follow_the_log_a_line_at_a_time_and_start_over_after_a_rotatio
     events(log, {"event": "applied", "served_by": "hook", "total_ms": 12.0})
     counters.update()
     assert counters.starts[("ok", "hook", "yes")] == 2  # kept counting, from the new file's start
+
+
+def test_a_failure_is_counted_by_its_own_reason_and_an_old_line_by_its_class(tmp_path: Path) -> None:
+    """Issue #31: the event's ``reason`` decides, whatever its message says; a reason that is no refusal is an
+    error; a line logged before events carried a reason is counted by its class, as before."""
+    log = tmp_path / "gpuhook.log"
+    events(log, {"event": "hook_failed", "kind": "MigNoRoomError", "reason": "mig_no_room", "error": "GPU 1 is full"},
+           {"event": "hook_failed", "kind": "BusyError", "reason": "busy", "error": "no room for a 1g.5gb instance"},
+           {"event": "hook_failed", "kind": "ApplyError", "reason": "apply", "error": "mount failed"},
+           {"event": "hook_failed", "kind": "SpecError", "error": "no process.args"})
+    counters = LogCounters(str(log))
+    counters.update()
+    assert counters.refusals == {"mig_no_room": 1, "busy": 1, "bad_spec": 1}
+    assert counters.starts == {("refused", "hook", "yes"): 2, ("error", "hook", "yes"): 1, ("refused", "hook", "no"): 1}
+
+
+def test_scrapes_at_once_count_every_line_of_a_growing_log_exactly_once(tmp_path: Path) -> None:
+    """Issue #31: threads update the same counters at once while the log grows; the counts are exactly the lines
+    written, and the copy a scrape got does not change under a later one."""
+    log = tmp_path / "gpuhook.log"
+    log.touch()
+    counters, written, scrapers = LogCounters(str(log)), 3000, 8
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            counters.update()
+
+    threads = [threading.Thread(target=scrape) for _ in range(scrapers)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(written // 10):
+            events(log, *({"event": "applied", "served_by": "gpuhookd", "total_ms": 20.0 + n} for n in range(10)))
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join()
+    counters.update()
+    assert counters.starts == {("ok", "gpuhookd", "yes"): written}
+    assert counters.duration_count == written
+    before = counters.update()
+    events(log, {"event": "no_gpu_requested"})
+    counters.update()
+    assert before.starts == {("ok", "gpuhookd", "yes"): written}
 
 
 def inventory() -> Inventory:
