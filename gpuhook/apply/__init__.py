@@ -29,6 +29,7 @@ import os
 import re
 import resource
 import signal
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -42,7 +43,8 @@ from gpuhook.apply.children import wait_child
 from gpuhook.apply.ldconfig import LDCONFIG_DEADLINE_S, open_ldconfig, run_ldconfig
 from gpuhook.apply.ldwrite import MOST_LIBRARIES, CacheWriter, LdconfigProfile, hidden_devices
 from gpuhook.apply.rootfs import RootFs
-from gpuhook.errors import ApplyError, error_from_dict
+from gpuhook.errors import ApplyError, LdCacheFormatError, error_from_dict
+from gpuhook.ldcache import parse_ldcache
 from gpuhook.planning.plan import BindMount, CudaCompat, Plan, ProcDriverMount
 from gpuhook.sys import process, syscalls
 
@@ -465,12 +467,12 @@ def _apply_in_container(
         # while it is read) fails inside this child, and rollback still runs.
         budget = min(timeout / 2, LDCONFIG_DEADLINE_S)
         writer = _cache_writer(fs, dirs, native, budget, notes) if dirs and native is not None else None
-        if writer is not None:
-            _replace_ldcache(fs, plan, writer.write, native=True)
-        elif dirs and ldconfig_fd is not None:
-            _replace_ldcache(fs, plan, lambda: run_ldconfig(
+        writers: list[tuple[Callable[[], object], bool]] = [(writer.write, True)] if writer is not None else []
+        if dirs and ldconfig_fd is not None:
+            writers.append((lambda: run_ldconfig(
                 ldconfig_fd, fs.root_fd, dirs, pidfd=pidfd, fresh=shared, timeout=budget, ahead=ldconfig_ahead,
-                abort_fd=abort_fd), native=False)
+                abort_fd=abort_fd), False))
+        _write_checked_ldcache(fs, plan, writers, skipped)
         done("ldconfig")
     except BaseException as err:
         leftovers = fs.rollback()
@@ -492,6 +494,101 @@ def _cache_writer(fs: RootFs, dirs: tuple[str, ...], native: LdconfigProfile, bu
     return None
 
 
+def _write_checked_ldcache(fs: RootFs, plan: Plan, writers: Sequence[tuple[Callable[[], object], bool]],
+                           skipped: list[str]) -> None:
+    """The container's cache by the first of *writers* (each a writer and whether it is gpuhook's own) whose
+    cache leads from a SONAME to each library the plan mounts where ldconfig looks; the next one where it
+    does not (said in *skipped*). An ApplyError where even the last leaves one out: a start never reports
+    success with a cache that cannot load the driver."""
+    missing: list[str] = []
+    for write, native in writers:
+        _replace_ldcache(fs, plan, write, native=native)
+        with _step("ldconfig", LD_SO_CACHE):
+            missing = _uncached(fs, plan)
+        if not missing:
+            return
+        if native and len(writers) > 1:
+            skipped.append(f"{LD_SO_CACHE}: gpuhook's cache lacked {_some(missing)}; the sandboxed ldconfig "
+                           "rewrote it")
+    if missing:
+        raise ApplyError("ldconfig", LD_SO_CACHE, detail=(
+            f"lacks {_some(missing)} under its SONAME (libX.so.N) after ldconfig rebuilt it, so the container "
+            "could not load the driver; something in the image is in the way: a file, not a symlink, at that "
+            "SONAME (a stub copied into the image), a read-only library directory, or one that leads under "
+            "/dev, /proc or /sys. Fix the image"))
+
+
+def _some(paths: Sequence[str], most: int = 3) -> str:
+    """The first *most* of *paths*, and how many more."""
+    shown = ", ".join(paths[:most])
+    return shown if len(paths) <= most else f"{shown} and {len(paths) - most} more"
+
+
+def _uncached(fs: RootFs, plan: Plan) -> list[str]:
+    """The libraries the plan mounts in ldconfig's directories that no entry of the written cache leads to
+    from a SONAME of theirs (``libX.so.*``: the link ldconfig makes beside the library, or the library
+    itself), as container paths."""
+    wanted = _library_dirs(plan, plan.ldconfig.dirs if plan.ldconfig is not None else ())
+    if not wanted:
+        return []
+    cached: dict[tuple[str, str], list[str]] = {}  # (directory, libX.so.): the names cached there
+    try:
+        for entry in parse_ldcache(_read_ldcache(fs)):
+            directory, _, name = entry.value.rpartition("/")
+            if name == entry.key and (directory or "/") in wanted and (m := _LIBRARY.fullmatch(name)) is not None:
+                cached.setdefault((directory or "/", m[1]), []).append(name)
+    except LdCacheFormatError:
+        pass  # unreadable: it caches nothing
+    missing = []
+    for directory, libraries in wanted.items():
+        dir_fd = fs.open(directory, os.O_PATH | os.O_DIRECTORY)
+        try:
+            missing += [f"{directory}/{library}" for library, prefix in libraries if not any(
+                _leads_to(fs, dir_fd, directory, n, library) for n in cached.get((directory, prefix), ()))]
+        finally:
+            os.close(dir_fd)
+    return missing
+
+
+def _leads_to(fs: RootFs, dir_fd: int, directory: str, name: str, library: str) -> bool:
+    """Whether *name* in *directory* (*dir_fd*) leads to the mounted *library* beside it: it is that library,
+    or a symlink to its name (what ldconfig makes: one readlink), or another way there (resolved in the root)."""
+    if name == library:
+        return True
+    try:
+        if os.readlink(name, dir_fd=dir_fd) == library:
+            return True
+    except OSError:
+        return False  # absent, or a file of the image's own: not the mounted library
+    mounted = _identity(fs, f"{directory}/{library}")
+    return mounted is not None and _identity(fs, f"{directory}/{name}") == mounted
+
+
+def _read_ldcache(fs: RootFs) -> bytes:
+    """The container's ld.so.cache as just written (a regular file; else no data)."""
+    fd = fs.try_open(LD_SO_CACHE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if fd is None:
+        return b""
+    try:
+        st = os.fstat(fd)
+        return os.read(fd, min(st.st_size, _MAX_LDCACHE)) if stat.S_ISREG(st.st_mode) else b""
+    finally:
+        os.close(fd)
+
+
+def _identity(fs: RootFs, path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of what *path* leads to inside the root, None where nothing is there."""
+    try:
+        fd = fs.open(path)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+    finally:
+        os.close(fd)
+
+
 def _replace_ldcache(fs: RootFs, plan: Plan, write: Callable[[], object], *, native: bool) -> None:
     """The container's ld.so.cache replaced by *write* (gpuhook's own, *native*, or the sandboxed
     ldconfig): an undo puts the image's cache and links back."""
@@ -500,8 +597,8 @@ def _replace_ldcache(fs: RootFs, plan: Plan, write: Callable[[], object], *, nat
         fs.save_aside(LD_SO_CACHE)
         fs.save_aside(LD_SO_CACHE + "~")
         if not native:  # ldwrite journals each link it changes; ldconfig's are found afterwards
-            for directory, prefixes in _library_dirs(plan).items():
-                fs.watch_links(directory, prefixes)
+            for directory, libraries in _library_dirs(plan).items():
+                fs.watch_links(directory, tuple(sorted({prefix for _, prefix in libraries})))
     with _step("ldconfig", LD_SO_CACHE):
         write()
 
@@ -509,14 +606,15 @@ def _replace_ldcache(fs: RootFs, plan: Plan, write: Callable[[], object], *, nat
 _LIBRARY = re.compile(r"(lib[^/]*\.so\.)[0-9][0-9.]*")
 
 
-def _library_dirs(plan: Plan) -> dict[str, tuple[str, ...]]:
-    """Where the plan mounts libraries, and their ``libX.so.`` prefixes: ldconfig links their SONAMEs there."""
-    found: dict[str, set[str]] = {}
+def _library_dirs(plan: Plan, only: Sequence[str] | None = None) -> dict[str, list[tuple[str, str]]]:
+    """Where the plan mounts libraries (only in the directories *only*, if given), and each library's name and
+    ``libX.so.`` prefix: ldconfig links their SONAMEs there."""
+    found: dict[str, list[tuple[str, str]]] = {}
     for mount in plan.mounts:
         directory, _, name = mount.target.rpartition("/")
-        if (m := _LIBRARY.fullmatch(name)) is not None:
-            found.setdefault(directory or "/", set()).add(m[1])
-    return {d: tuple(sorted(p)) for d, p in found.items()}
+        if (m := _LIBRARY.fullmatch(name)) is not None and (only is None or (directory or "/") in only):
+            found.setdefault(directory or "/", []).append((name, m[1]))
+    return found
 
 
 def _compat_first(fs: RootFs, plan: Plan, notes: list[str]) -> tuple[str, ...]:
@@ -562,6 +660,8 @@ def _open_rootfs(container: ContainerRef) -> int:
 _COMPAT_LIB = re.compile(r"libcuda\.so\.([0-9]{1,4})\.[0-9.]{1,20}")
 COMPAT_CONF = "/etc/ld.so.conf.d/00-gpuhook-cuda-compat.conf"
 LD_SO_CACHE = "/etc/ld.so.cache"
+#: far past any image's cache (ldconfig writes some 100 bytes a library)
+_MAX_LDCACHE = 64 << 20
 #: what gpuhook writes at COMPAT_CONF: one compat directory (CUDA_COMPAT_DIR or a versioned one)
 _COMPAT_CONF_OURS = re.compile(rb"/usr/local/cuda[A-Za-z0-9._-]{0,64}/compat\n?")
 _COMPAT_CONF_MAX = 128
