@@ -64,8 +64,8 @@ def take(state_dir: Path, request: GpuRequest, inventory: Inventory, policies: M
         stale = ledger.stale(alive)
         ledger = ledger.without(stale)
         try:
-            allocation = allocate(request, inventory, policies, ledger, container_id=container_id, now=now,
-                                  unhealthy=unhealthy)
+            allocation = allocate(request, inventory, policies, ledger, container_id=container_id, holder=holder,
+                                  now=now, unhealthy=unhealthy)
         except GpuHookError as err:
             return ledger, (err, stale)
         if allocation.devices or allocation.to_make:
@@ -91,23 +91,23 @@ def drop(state_dir: Path, container_id: str, holder: Holder) -> None:
     ledger_store.update(state_dir, lambda ledger: (ledger.release(container_id, holder), None))
 
 
-def release_if_gone(state_dir: Path, container_id: str) -> tuple[Lease | None, Lease | None]:
-    """poststop and a holder's exit: (the lease released, the lease kept because its holder still runs)."""
+def release_if_gone(state_dir: Path, container_id: str) -> tuple[tuple[Lease, ...], tuple[Lease, ...]]:
+    """poststop and a holder's exit: (the leases under *container_id* released, those kept because their holder
+    still runs). The OCI state at poststop names no live process, so the holder's liveness tells the
+    containers of one id apart: the stopped one's is gone, a running one's (another runc root's, say) is not."""
 
-    def change(ledger: Ledger) -> tuple[Ledger, tuple[Lease | None, Lease | None]]:
-        lease = ledger.lease_of(container_id)
-        if lease is None:
-            return ledger, (None, None)
-        if alive(lease.holder):
-            return ledger, (None, lease)
-        return ledger.release(container_id), (lease, None)
+    def change(ledger: Ledger) -> tuple[Ledger, tuple[tuple[Lease, ...], tuple[Lease, ...]]]:
+        leases = ledger.leases_of(container_id)
+        gone = tuple(lease for lease in leases if not alive(lease.holder))
+        return ledger.without(gone), (gone, tuple(lease for lease in leases if lease not in gone))
 
     return ledger_store.update(state_dir, change)
 
 
-def release(state_dir: Path, container_id: str) -> Lease | None:
-    """``gpuhook release``: drop *container_id*'s lease whatever its holder does; the lease dropped, if any."""
-    return ledger_store.update(state_dir, lambda ledger: (ledger.release(container_id), ledger.lease_of(container_id)))
+def release(state_dir: Path, container_id: str) -> tuple[Lease, ...]:
+    """``gpuhook release``: drop every lease under *container_id* whatever its holder does; the leases dropped."""
+    return ledger_store.update(state_dir, lambda ledger: (ledger.release(container_id),
+                                                          ledger.leases_of(container_id)))
 
 
 def reclaim(state_dir: Path) -> tuple[Ledger, tuple[Lease, ...]]:

@@ -103,11 +103,12 @@ def _record(state_dir: Path, container_id: str, holder: Holder, intent: MigRecor
     """*intent* into the lease, unless its name was taken since the allocation (then BusyError)."""
 
     def change(ledger: Ledger) -> tuple[Ledger, Exception | None]:
-        if ledger.lease_of(container_id) is None:
+        own = ledger.lease_of(container_id, holder)
+        if own is None:
             return ledger, ProvisionError(f"the lease of {container_id} is gone (released by hand?) before its MIG "
                                           "instance was made")
         named = ledger.named(intent.gpu, intent.name) if intent.name else None
-        if named is not None and named.container_id != container_id:
+        if named is not None and named != own:  # another container's, maybe of the same id
             return ledger, PolicyError(f"{request.source}={request.raw!r}: the instance {intent.name!r} is "
                                        f"{held_by((named,), now)}. Fix: choose another #NAME, or wait for it to end")
         return ledger.record_mig(container_id, holder, intent), None

@@ -44,6 +44,13 @@ MIG_PROFILE: Final = r"[1-8]g\.[1-9][0-9]{0,3}gb(?:\+me\.all|\+me|\+gfx|-me)*"
 #: ``mig=3g.20gb``, ``mig=1g.5gb+me#instance1``: a profile, then an optional instance name
 _MIG_ASK_RE: Final = re.compile(rf"mig=({MIG_PROFILE})(?:#([A-Za-z0-9][A-Za-z0-9_.-]{{0,62}}))?")
 
+#: The most entries a device list may have, and the longest entry: a host has some tens of GPUs at most, seven MIG
+#: devices on each, and the longest entry (``MIG-GPU-<uuid>/G/C``, ``mig=PROFILE#NAME``) is under 100 characters.
+#: Checked before an entry is decoded (so before any lock is taken): with them, what a start spends on its
+#: request is bounded, as NVIDIA_REQUIRE_* is (60,000 mig= entries once held the ledger's lock for 27 s).
+MAX_DEVICE_ENTRIES: Final = 256
+MAX_ENTRY_LENGTH: Final = 128
+
 #: IMEX channel ids are below 2^20 (the driver's NVIDIA_IMEX_CHANNEL_MAX).
 MAX_IMEX_CHANNEL: Final = 1 << 20
 
@@ -140,7 +147,26 @@ class ChannelList:
 
 def entries(raw: str) -> tuple[str, ...]:
     """The entries of a comma-separated list, blanks trimmed, empty ones dropped."""
-    return tuple(entry for entry in (part.strip(BLANKS) for part in raw.split(",")) if entry)
+    return _trimmed(raw.split(","))
+
+
+def _trimmed(parts: list[str]) -> tuple[str, ...]:
+    return tuple(entry for entry in (part.strip(BLANKS) for part in parts) if entry)
+
+
+def _bounded_entries(raw: str, *, source: str) -> tuple[str, ...]:
+    """``entries`` of a device list, refused (RequestError naming the limit) past MAX_DEVICE_ENTRIES entries or
+    with one longer than MAX_ENTRY_LENGTH; the value is not quoted whole, since it is what is too large."""
+    parts = raw.split(",", MAX_DEVICE_ENTRIES)  # one part more than allowed says "too many", whatever follows
+    if len(parts) > MAX_DEVICE_ENTRIES:
+        raise RequestError(f"{source} has {raw.count(',') + 1} comma-separated entries, empty ones counted "
+                           f"({parts[0].strip(BLANKS)[:40]!r}, ...); the limit is {MAX_DEVICE_ENTRIES}: list each GPU "
+                           "or MIG device once, or ask for 'all' or 'count=N'")
+    longest = max(parts, key=len)
+    if len(longest) > MAX_ENTRY_LENGTH:
+        raise RequestError(f"{source}: the entry {longest.strip(BLANKS)[:40]!r}... is {len(longest)} characters "
+                           f"long, blanks counted; the limit is {MAX_ENTRY_LENGTH}: expected {ACCEPTED_FORMS}")
+    return _trimmed(parts)
 
 
 def device_token(entry: str) -> DeviceToken:
@@ -158,12 +184,13 @@ def device_token(entry: str) -> DeviceToken:
 def decode_devices(raw: str, *, source: str) -> DeviceList | None:
     """A device list with NVIDIA's semantics, or None for void (unset-equivalent).
 
-    Empty or ``void`` anywhere is None; otherwise the first of ``all``/``none``
+    At most MAX_DEVICE_ENTRIES entries of MAX_ENTRY_LENGTH characters (RequestError past them). Empty or
+    ``void`` anywhere is None; otherwise the first of ``all``/``none``
     decides; otherwise ``any`` or ``count=N`` must stand alone (gpuhook's: which GPUs is
     decided at the start, under the sharing policy); otherwise every entry must be a device id
     (duplicates dropped) or a ``mig=PROFILE[#NAME]`` ask.
     """
-    tokens = [device_token(entry) for entry in entries(raw)]
+    tokens = [device_token(entry) for entry in _bounded_entries(raw, source=source)]
     if not tokens or Keyword.VOID in tokens:
         return None
     for token in tokens:

@@ -19,7 +19,7 @@ from gpuhook.errors import BusyError, PolicyError
 from gpuhook.inventory import Gpu, Inventory
 from gpuhook.planning.select import select_devices
 from gpuhook.request.model import GpuIndex, GpuRequest, MigUuid
-from gpuhook.sharing.ledger import Ledger, MigRecord
+from gpuhook.sharing.ledger import Holder, Ledger, MigRecord
 from gpuhook.sharing.mig import MigPick, pick_migs, reused_record, with_policy_instances
 from gpuhook.sharing.policy import GpuPolicy, Sharing
 from gpuhook.sharing.room import Room
@@ -40,11 +40,14 @@ class Allocation:
 
 
 def allocate(request: GpuRequest, inventory: Inventory, policies: Mapping[int, GpuPolicy], ledger: Ledger, *,
-             container_id: str, now: datetime, unhealthy: Mapping[int, str] | None = None) -> Allocation:
+             container_id: str, now: datetime, holder: Holder | None = None,
+             unhealthy: Mapping[int, str] | None = None) -> Allocation:
     """The devices *request* gets; raises PolicyError (a capability not allowed), BusyError (no room) or
-    UnknownDeviceError. *container_id*'s own lease (a second start stage) does not count against it;
+    UnknownDeviceError. The container's own lease (*container_id* held by *holder*: a second start stage)
+    does not count against it; another holder's lease under the same id is another container's, and does;
     *unhealthy*: GPUs (by index, with the problem) that ``count`` must not pick."""
-    others = Ledger(tuple(lease for lease in ledger.leases if lease.container_id != container_id), ledger.recycle)
+    own = ledger.lease_of(container_id, holder) if holder is not None else None
+    others = Ledger(tuple(lease for lease in ledger.leases if lease != own), ledger.recycle)
     room = Room(inventory, policies, others, now)
     if request.count is not None:
         gpus = _pick(request, inventory.gpus, room, unhealthy or {})

@@ -2,7 +2,10 @@
 
 A lease names its container (the OCI id), the devices it holds (GPU and MIG UUIDs), and its
 holder: the container's init as a pid *and* that process's start time, so that a pid the
-kernel hands to another process never keeps a lease. Transitions return a new ledger:
+kernel hands to another process never keeps a lease. An id is not unique (another runc
+``--root``, another containerd namespace, ``nvidia-container-cli configure``'s rootfs parent), so
+a lease is the id *and* its holder: a same-id start with another live holder is another
+container, whose lease stands beside the first one's. Transitions return a new ledger:
 ``reserve`` (before anything is changed in the container) → ``activate`` (the start held) →
 ``release``; ``stale`` lists the leases whose holder is gone, with the liveness check passed in.
 The store (a file written atomically under a lock) is ``provision.ledger_store``'s.
@@ -157,9 +160,14 @@ class Ledger:
         """The daemons no lease holds the GPU of any more: to stop."""
         return tuple(d for d in self.daemons if not self.holding(d.gpu))
 
-    def lease_of(self, container_id: str) -> Lease | None:
-        """*container_id*'s lease, if it holds one."""
-        return next((lease for lease in self.leases if lease.container_id == container_id), None)
+    def lease_of(self, container_id: str, holder: Holder) -> Lease | None:
+        """The lease of the container *container_id* whose init is *holder*, if it holds one."""
+        return next((lease for lease in self.leases if lease.container_id == container_id
+                     and lease.holder == holder), None)
+
+    def leases_of(self, container_id: str) -> tuple[Lease, ...]:
+        """Every lease under *container_id*: one per container of that id (each its own holder)."""
+        return tuple(lease for lease in self.leases if lease.container_id == container_id)
 
     def holding(self, *devices: str) -> tuple[Lease, ...]:
         """The leases that hold any of *devices* (GPU or MIG UUIDs; matched case-insensitively)."""
@@ -176,9 +184,15 @@ class Ledger:
                      if any(r.name == name and r.gpu.casefold() == gpu.casefold() for r in lease.migs)), None)
 
     def reserve(self, lease: Lease) -> Ledger:
-        """With *lease* added, replacing an earlier lease of the same container (a second start stage; gone
-        holders' leases are reclaimed first, so an earlier one is this container's own)."""
-        return self._ending(lambda old: old.container_id == lease.container_id, add=lease)
+        """With *lease* added, replacing the earlier lease of the same container id *and* holder (a second start
+        stage); a same-id lease of another holder is another container's and stays. The instances gpuhook made
+        for the earlier one that *lease* holds again (the second stage finds them free, as an admin's) stay
+        gpuhook's, so they are destroyed when it ends."""
+        own = self.lease_of(lease.container_id, lease.holder)
+        if own is not None:
+            made = {r.uuid: r for r in own.migs if r.created and r.uuid}
+            lease = replace(lease, migs=tuple(made.get(r.uuid, r) if r.uuid else r for r in lease.migs))
+        return self._ending(lambda old: old == own, add=lease)
 
     def activate(self, container_id: str, holder: Holder) -> Ledger:
         """With *container_id*'s reservation by *holder* active (unchanged if it is not there)."""
@@ -200,7 +214,7 @@ class Ledger:
             lease, migs=tuple(r for r in lease.migs if r != record)))
 
     def release(self, container_id: str, holder: Holder | None = None) -> Ledger:
-        """Without *container_id*'s lease (only if *holder* holds it, when given)."""
+        """Without *container_id*'s lease held by *holder* (every lease under that id, when None)."""
         return self._ending(lambda lease: lease.container_id == container_id
                             and (holder is None or lease.holder == holder))
 
@@ -217,9 +231,11 @@ class Ledger:
         return replace(self, recycle=tuple(r for r in self.recycle if r != record))
 
     def _ending(self, ends: Callable[[Lease], bool], add: Lease | None = None) -> Ledger:
-        """Without the leases *ends* picks (the instances gpuhook made for them moved to ``recycle``), plus *add*."""
+        """Without the leases *ends* picks (the instances gpuhook made for them moved to ``recycle``, but those
+        *add* holds), plus *add*."""
         kept = tuple(lease for lease in self.leases if not ends(lease))
-        made = tuple(r for lease in self.leases if ends(lease) for r in lease.migs if r.created)
+        held = add.migs if add is not None else ()
+        made = tuple(r for lease in self.leases if ends(lease) for r in lease.migs if r.created and r not in held)
         return replace(self, leases=kept + ((add,) if add is not None else ()), recycle=self.recycle + made)
 
     def _changed(self, container_id: str, holder: Holder, change: Callable[[Lease], Lease]) -> Ledger:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from gpuhook.errors import BusyError, PolicyError
+from gpuhook.errors import BusyError, MigNoRoomError, PolicyError
 from gpuhook.inventory import Gpu, Inventory, MigDevice, MigProfile
 from gpuhook.planning.select import find_gpu
 from gpuhook.request.model import DeviceId, GpuIndex, GpuRequest, GpuUuid, MigAsk
@@ -50,18 +50,18 @@ def pick_migs(request: GpuRequest, inventory: Inventory, room: Room, gpus: Seque
     Raises PolicyError (no MIG mode, no such profile) or BusyError (a name held, no GPU with room).
     """
     picks: list[MigPick] = []
-    reused: set[str] = set()
-    made = {r.uuid for r in room.ledger.recycle if r.uuid}
+    # Not free: what a lease holds, and what gpuhook made and awaits destruction. Gathered once, and each
+    # ask's refusal worded only when it is raised: per ask, either would cost the whole request again.
+    taken = {d.casefold() for lease in room.ledger.leases for d in lease.devices}
+    taken |= {r.uuid.casefold() for r in room.ledger.recycle if r.uuid}
     for ask, named in zip(request.mig_asks, gpus, strict=True):
-        where = _where(request, ask)
-        candidates = _candidates(where, ask, named, inventory, room)
+        candidates = _candidates(request, ask, named, inventory, room)
         order = {gpu.index: n for n, gpu in enumerate(candidates)}
         free = sorted((m for m in inventory.mig_devices
-                       if m.parent_index in order and m.profile == ask.profile and m.uuid not in reused
-                       and m.uuid not in made and not room.ledger.holding(m.uuid)),
+                       if m.parent_index in order and m.profile == ask.profile and m.uuid.casefold() not in taken),
                       key=lambda m: (order[m.parent_index], m.index))
         if free:
-            reused.add(free[0].uuid)
+            taken.add(free[0].uuid.casefold())
             picks.append(MigPick(ask=ask, reuse=free[0]))
         else:
             picks.append(MigPick(ask=ask, candidates=candidates))
@@ -89,22 +89,23 @@ def _where(request: GpuRequest, ask: MigAsk) -> str:
     return f"{request.source}={request.raw!r}: {str(ask)!r}"
 
 
-def _candidates(where: str, ask: MigAsk, named: Gpu | None, inventory: Inventory, room: Room) -> tuple[Gpu, ...]:
+def _candidates(request: GpuRequest, ask: MigAsk, named: Gpu | None, inventory: Inventory, room: Room
+                ) -> tuple[Gpu, ...]:
     """The GPUs an ask may get an instance on, least used first; raises PolicyError or BusyError."""
     if named is not None:
         if not named.mig_enabled:
-            raise PolicyError(f"{where}: {not_in_mig_mode(named)}")
+            raise PolicyError(f"{_where(request, ask)}: {not_in_mig_mode(named)}")
         gpus: tuple[Gpu, ...] = (named,)
     else:
         gpus = tuple(g for g in inventory.gpus if g.mig_enabled)
         if not gpus:
             have = ", ".join(f"{g.index} ({g.model})" for g in inventory.gpus) or "none"
-            raise PolicyError(f"{where}: no GPU of this host is in MIG mode (GPUs: {have}). Fix: enable MIG mode on "
-                              "one (`nvidia-smi -i 0 -mig 1`; this needs the GPU idle and, on some GPUs, a reset), "
-                              "or ask for a whole GPU")
+            raise PolicyError(f"{_where(request, ask)}: no GPU of this host is in MIG mode (GPUs: {have}). Fix: "
+                              "enable MIG mode on one (`nvidia-smi -i 0 -mig 1`; this needs the GPU idle and, on "
+                              "some GPUs, a reset), or ask for a whole GPU")
     with_profile = tuple(g for g in gpus if g.mig_profile(ask.profile) is not None)
     if not with_profile:
-        raise PolicyError(f"{where}: {unknown_profile(ask.profile, gpus)}")
+        raise PolicyError(f"{_where(request, ask)}: {unknown_profile(ask.profile, gpus)}")
     busy: list[str] = []
     usable: list[Gpu] = []
     for gpu in with_profile:
@@ -119,8 +120,8 @@ def _candidates(where: str, ask: MigAsk, named: Gpu | None, inventory: Inventory
     if not usable:
         fix = ("choose another #NAME, or wait for the holder to end" if ask.name
                else "wait for the holder to end, or ask for another GPU")
-        raise BusyError(f"{where}: {'; '.join(busy)}. Fix: {fix} (a holder that is gone: `gpuhook release "
-                        "CONTAINER_ID`)")
+        raise BusyError(f"{_where(request, ask)}: {'; '.join(busy)}. Fix: {fix} (a holder that is gone: "
+                        "`gpuhook release CONTAINER_ID`)")
     return tuple(sorted(usable, key=lambda g: (len(room.ledger.holding_mig_on(g.uuid)), g.index)))
 
 
@@ -143,7 +144,8 @@ def unknown_profile(profile: str, gpus: Sequence[Gpu]) -> str:
     return f"no MIG profile {profile!r} here: {listed}. Fix: ask for one of those (mig=PROFILE)"
 
 
-def no_room(request: GpuRequest, ask: MigAsk, tried: Sequence[GpuMigRoom], ledger: Ledger, now: datetime) -> BusyError:
+def no_room(request: GpuRequest, ask: MigAsk, tried: Sequence[GpuMigRoom], ledger: Ledger, now: datetime
+            ) -> MigNoRoomError:
     """No GPU tried had room for *ask*: what is on each, who holds it, what still fits."""
     parts = []
     for state in tried:
@@ -156,9 +158,9 @@ def no_room(request: GpuRequest, ask: MigAsk, tried: Sequence[GpuMigRoom], ledge
                         + ")")
         fits = ", ".join(f"{name} ×{count}" for name, count in state.fits) or "nothing"
         parts.append(f"GPU {gpu.index} ({gpu.model}) has {'; '.join(held) or 'no instance'}; what still fits: {fits}")
-    return BusyError(f"{_where(request, ask)}: no room for a {ask.profile} instance: {'. '.join(parts)}. Fix: wait "
-                     "for a holder to end, ask for a profile that fits, or remove an idle admin instance "
-                     "(`nvidia-smi mig -dci -ci C -gi G -i GPU` then `-dgi -gi G`)")
+    return MigNoRoomError(f"{_where(request, ask)}: no room for a {ask.profile} instance: {'. '.join(parts)}. "
+                          "Fix: wait for a holder to end, ask for a profile that fits, or remove an idle admin "
+                          "instance (`nvidia-smi mig -dci -ci C -gi G -i GPU` then `-dgi -gi G`)")
 
 
 def mode_may_be_stale(request: GpuRequest, inventory: Inventory) -> bool:

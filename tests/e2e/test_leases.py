@@ -9,14 +9,16 @@ what it really got, checked beside the ledger and ``gpuhook status``.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,13 +56,19 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = WAIT_S) -> f
     return time.monotonic() - start
 
 
+#: runc's state root when none is given (root's): another ``--root`` is another runc, with ids of its own.
+RUNC_ROOT = Path("/run/runc")
+
+
 @dataclass(frozen=True, slots=True)
 class Bundle:
-    """One prepared container: its id, its bundle dir, and the host dir it sees as /out."""
+    """One prepared container: its id, its bundle dir, the host dir it sees as /out, and the runc --root it is
+    started under (None: runc's own)."""
 
     id: str
     path: Path
     out: Path
+    root: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,23 +96,26 @@ class Site:
         self.state_dir = tmp / "state"
         self.config = host.write_config(tmp / "gpuhook.yaml", state_dir=self.state_dir, gpus=gpus)
         self.runc = require_tool("runc")
-        self.ids: list[str] = []
+        self.started_bundles: list[Bundle] = []
         self._count = 0
         self._by_uuid = {gpu.uuid.casefold(): gpu.index for gpu in host.gpus}
         self._by_minor = {gpu.minor: gpu.index for gpu in host.gpus}
 
     # -- containers ----------------------------------------------------------------------------------
 
-    def bundle(self, env: Mapping[str, str], *, poststop: bool = True,
-               prestart: dict[str, Any] | None = None, script: str = SLEEPER) -> Bundle:
-        """A sleeping container asking for *env*, gpuhook its prestart hook (and poststop hook, unless not);
-        *script*: what it runs (it must end sleeping, and write /out/dev last)."""
+    def bundle(self, env: Mapping[str, str], *, poststop: bool = True, prestart: dict[str, Any] | None = None,
+               create_runtime: dict[str, Any] | None = None, script: str = SLEEPER) -> Bundle:
+        """A sleeping container asking for *env*, gpuhook its prestart hook (and poststop hook, unless not;
+        *create_runtime*: a createRuntime hook too); *script*: what it runs (it must end sleeping, and write
+        /out/dev last)."""
         self._count += 1
         path = self.tmp / f"bundle{self._count}"
         out = self.tmp / f"out{self._count}"
         out.mkdir()
         copy_rootfs(self.rootfs_src, path / "rootfs")
         hooks: dict[str, Any] = {"prestart": [prestart or hook_entry(self.config, "prestart")]}
+        if create_runtime:
+            hooks["createRuntime"] = [create_runtime]
         if poststop:
             hooks["poststop"] = [hook_entry(self.config, "poststop")]
         spec = default_spec("rootfs", ["/bin/sh", "-c", script],
@@ -117,10 +128,10 @@ class Site:
     def start(self, bundle: Bundle) -> Started:
         """``runc run -d``: the container left running (or refused). Its stdio are files, never our pipes:
         the sleeping container would hold a pipe open, and nobody would see its end."""
-        self.ids.append(bundle.id)
+        self.started_bundles.append(bundle)
         err = bundle.path / "runc.err"
         with err.open("w+b") as stderr:
-            proc = subprocess.run([self.runc, "run", "-d", "--bundle", str(bundle.path), bundle.id],
+            proc = subprocess.run([*self._runc(bundle.root), "run", "-d", "--bundle", str(bundle.path), bundle.id],
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
                                   timeout=WAIT_S * 2, check=False)
         return Started(bundle, proc.returncode, err.read_text(errors="replace"))
@@ -130,19 +141,22 @@ class Site:
         """A new container asking for *env*, started."""
         return self.start(self.bundle(env, poststop=poststop, prestart=prestart, script=script))
 
-    def runc_cmd(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """``runc ARGS``, its output captured (for commands that start no container)."""
-        return subprocess.run([self.runc, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+    def runc_cmd(self, *args: str, root: Path | None = None) -> subprocess.CompletedProcess[str]:
+        """``runc [--root ROOT] ARGS``, its output captured (for commands that start no container)."""
+        return subprocess.run([*self._runc(root), *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=WAIT_S, check=False)
 
-    def state(self, container_id: str) -> dict[str, Any] | None:
+    def _runc(self, root: Path | None) -> list[str]:
+        return [self.runc, "--root", str(root)] if root is not None else [self.runc]
+
+    def state(self, container_id: str, *, root: Path | None = None) -> dict[str, Any] | None:
         """``runc state``: the container's status and init pid; None if runc knows no such container."""
-        proc = self.runc_cmd("state", container_id)
+        proc = self.runc_cmd("state", container_id, root=root)
         return json.loads(proc.stdout) if proc.returncode == 0 else None
 
-    def delete(self, container_id: str) -> None:
+    def delete(self, container_id: str, *, root: Path | None = None) -> None:
         """``runc delete --force``: kill it, and run its poststop hooks."""
-        proc = self.runc_cmd("delete", "--force", container_id)
+        proc = self.runc_cmd("delete", "--force", container_id, root=root)
         assert proc.returncode == 0, proc.stderr
 
     def kill(self, container_id: str) -> None:
@@ -153,10 +167,10 @@ class Site:
 
     def cleanup(self) -> None:
         """Force-delete every container this site started; none may be left."""
-        for container_id in self.ids:
-            if Path("/run/runc", container_id).exists():
-                self.runc_cmd("delete", "--force", container_id)
-        left = [i for i in self.ids if Path("/run/runc", i).exists()]
+        for bundle in self.started_bundles:
+            if Path(bundle.root or RUNC_ROOT, bundle.id).exists():
+                self.runc_cmd("delete", "--force", bundle.id, root=bundle.root)
+        left = [b.id for b in self.started_bundles if Path(b.root or RUNC_ROOT, b.id).exists()]
         assert not left, f"runc delete --force left {left}"
 
     # -- what the containers and gpuhook say ----------------------------------------------------------
@@ -175,12 +189,13 @@ class Site:
         for needle in needles:
             assert needle in started.stderr, f"{needle!r} not in runc's error:\n{started.stderr}"
         assert not list(started.bundle.out.iterdir()), "the refused container's process ran"
-        assert self.state(started.id) is None and not Path("/run/runc", started.id).exists()
+        root = started.bundle.root
+        assert self.state(started.id, root=root) is None and not Path(root or RUNC_ROOT, started.id).exists()
         assert started.id not in self.holders(), self.leases()
 
-    def pid(self, container_id: str) -> int:
+    def pid(self, container_id: str, *, root: Path | None = None) -> int:
         """The container's init pid, as runc knows it."""
-        state = self.state(container_id)
+        state = self.state(container_id, root=root)
         assert state is not None, f"runc knows no {container_id}"
         return int(state["pid"])
 
@@ -222,6 +237,20 @@ class Site:
 
 
 MakeSite = Callable[..., Site]
+
+
+def same_id(bundle: Bundle, as_of: Started, root: Path) -> Bundle:
+    """*bundle*, to be started with *as_of*'s id under the runc root *root*: another runc's container of that id."""
+    return replace(bundle, id=as_of.id, root=root)
+
+
+def run_poststop(site: Site, container_id: str, bundle: Bundle) -> None:
+    """gpuhook's poststop, as registered, for the state a runtime gives it then (id and bundle, no pid)."""
+    entry = hook_entry(site.config, "poststop")
+    state = {"ociVersion": "1.0.2", "id": container_id, "status": "stopped", "bundle": str(bundle.path)}
+    proc = subprocess.run(entry["args"], input=json.dumps(state), capture_output=True, text=True, timeout=WAIT_S,
+                          env=dict(item.split("=", 1) for item in entry["env"]), check=False, cwd="/")
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -461,3 +490,66 @@ def test_release_by_hand_frees_a_running_holder(make_site: MakeSite, host8: Fake
     site.delete(a.id)  # A's poststop: it holds no lease, and B's is not touched
     assert site.holders() == {b.id: {0}}
 
+
+
+def test_a_same_id_container_under_another_runc_root_is_refused_the_held_gpu(make_site: MakeSite,
+                                                                              host8: FakeHost) -> None:
+    """Issue 31: while A holds exclusive GPU 0, runc --root R2 starts B with A's id (another runc: another
+    container, another init): B is refused naming A and its pid, and A's lease stays as it was; B's poststop
+    (run once more here as a runtime that runs it late would, with B's bundle and no pid) leaves A's lease;
+    a third container is refused GPU 0 still, and A's delete frees it."""
+    site = make_site(host8, EXCLUSIVE0)
+    a = site.run(GPU0)
+    assert site.started(a) == {0}
+    before = site.leases()
+    b = site.start(same_id(site.bundle(GPU0), a, site.tmp / "runc2"))
+    assert b.returncode != 0 and f"held by {a.id} (pid {site.pid(a.id)}," in b.stderr, b.stderr
+    assert "Traceback" not in b.stderr and not list(b.bundle.out.iterdir()), b.stderr
+    assert site.state(a.id, root=b.bundle.root) is None
+    assert site.leases() == before
+    run_poststop(site, a.id, b.bundle)
+    assert site.leases() == before
+    site.refused(site.run(GPU0), a.id, "exclusive")
+    site.delete(a.id)
+    assert site.leases() == []
+
+
+def test_two_running_containers_of_one_id_hold_a_lease_each(make_site: MakeSite, host8: FakeHost) -> None:
+    """Issue 31: GPU 0 shared by 2: A, and B with A's id under another runc root, both run on it, each with a
+    lease of its own (its own init pid), both listed by `gpuhook status`, and a third container is refused;
+    B's delete (its poststop) releases B's lease only, and the third then takes B's place."""
+    site = make_site(host8, [{"device": 0, "sharing": "shared", "replicas": 2}])
+    a = site.run(GPU0)
+    b = site.start(same_id(site.bundle(GPU0), a, site.tmp / "runc2"))
+    assert site.started(a) == site.started(b) == {0}
+    a_pid, b_pid = site.pid(a.id), site.pid(a.id, root=b.bundle.root)
+    assert a_pid != b_pid
+    assert sorted((lease["container_id"], lease["pid"]) for lease in site.leases()) == sorted(
+        [(a.id, a_pid), (a.id, b_pid)])
+    [gpu0] = [gpu for gpu in site.status()["gpus"] if gpu["index"] == 0]
+    assert sorted((h["container_id"], h["pid"]) for h in gpu0["holders"]) == sorted([(a.id, a_pid), (a.id, b_pid)])
+    c = site.bundle(GPU0)
+    site.refused(site.start(c), f"{a.id} (pid {a_pid},", f"{a.id} (pid {b_pid},", "shared")
+    site.delete(a.id, root=b.bundle.root)
+    assert [(lease["container_id"], lease["pid"]) for lease in site.leases()] == [(a.id, a_pid)]
+    assert site.started(site.start(c)) == {0}
+    assert site.holders() == {a.id: {0}, c.id: {0}}
+    site.delete(a.id)
+    assert site.holders() == {c.id: {0}}
+
+
+def test_a_request_of_60000_entries_is_refused_without_the_ledger_lock(make_site: MakeSite, host8: FakeHost) -> None:
+    """Issue 31: NVIDIA_VISIBLE_DEVICES with 60,000 mig= entries is refused in one short line naming the limit
+    while another process holds the ledger's lock the whole time: the refusal came before any lock (a start
+    that took it would wait until runc gave up)."""
+    site = make_site(host8)
+    site.state_dir.mkdir(mode=0o700)
+    lock = os.open(site.state_dir / "leases.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        started = site.run({"NVIDIA_VISIBLE_DEVICES": "0," + ",".join(["mig=1g.5gb"] * 60_000)})
+    finally:
+        os.close(lock)
+    site.refused(started, "NVIDIA_VISIBLE_DEVICES has 60001 comma-separated entries", "the limit is 256")
+    assert len(started.stderr) < 2000, started.stderr[:2000]
+    assert site.started(site.run(GPU0)) == {0}

@@ -22,7 +22,8 @@ import pytest
 
 from integration.fakehost import FakeHost, create_host, mig
 
-from .test_leases import Site, Started, wait_for
+from .conftest import hook_entry
+from .test_leases import Site, Started, same_id, wait_for
 
 A100_40 = "NVIDIA A100-SXM4-40GB"
 #: Lists the caps nodes and opens every node the container has, then holds its instance until killed.
@@ -242,3 +243,45 @@ def test_a_policy_instance_gives_a_request_for_the_gpu_an_instance(tmp_path: Pat
         assert nvml_instances(a100) == []
     finally:
         site.cleanup()
+
+
+def test_a_same_id_container_of_another_runc_root_gets_nothing_of_the_first_ones_instance(
+        site: Site, a100: FakeHost) -> None:
+    """Issue 31: A holds 3g.20gb #instance1. B, with A's id under another runc root, asking for #instance1 is
+    refused naming A and its pid, and handed nothing; C (A's id, that root) asking unnamed gets an instance of
+    its own. C's delete destroys C's only: A's keeps its name, its lease and its record until A's delete."""
+    a = site.run({"NVIDIA_VISIBLE_DEVICES": "0,mig=3g.20gb#instance1"})
+    assert site.started(a) == {0}
+    [(*_, first)] = nvml_instances(a100)
+    root2 = site.tmp / "runc2"
+    b = site.start(same_id(site.bundle({"NVIDIA_VISIBLE_DEVICES": "0,mig=3g.20gb#instance1"}), a, root2))
+    assert b.returncode != 0 and "'instance1'" in b.stderr and f"held by {a.id} (pid {site.pid(a.id)}," in b.stderr
+    assert "Traceback" not in b.stderr and not list(b.bundle.out.iterdir()), b.stderr
+    assert [uuid for *_, uuid in nvml_instances(a100)] == [first]
+    assert [(r["uuid"], r["name"], r["created"]) for r in mig_records(site)] == [(first, "instance1", True)]
+
+    c = site.start(same_id(site.bundle({"NVIDIA_VISIBLE_DEVICES": "0,mig=3g.20gb"}), a, root2))
+    assert site.started(c) == {0}
+    [second] = {uuid for *_, uuid in nvml_instances(a100)} - {first}
+    assert sorted((lease["pid"], lease["devices"]) for lease in site.leases()) == sorted(
+        [(site.pid(a.id), [first]), (site.pid(a.id, root=root2), [second])])
+    site.delete(a.id, root=root2)
+    assert [uuid for *_, uuid in nvml_instances(a100)] == [first]
+    assert [(r["uuid"], r["name"], r["created"]) for r in mig_records(site)] == [(first, "instance1", True)]
+    site.delete(a.id)
+    assert nvml_instances(a100) == [] and mig_records(site) == [] and site.leases() == []
+
+
+def test_a_second_start_stage_that_refuses_leaves_no_instance(site: Site, a100: FakeHost) -> None:
+    """Issue 31: gpuhook registered at prestart and at createRuntime on one ledger; the first stage makes the
+    1g.5gb instance, the second refuses the start (its config checks NVIDIA_REQUIRE_CUDA, the first's is told
+    disable_require): the refusal leaves no instance on the GPU (as NVML lists them), no record, no lease."""
+    lenient = site.tmp / "lenient.yaml"
+    lenient.write_text(site.config.read_text() + "disable_require: true\n")
+    started = site.start(site.bundle({"NVIDIA_VISIBLE_DEVICES": "0,mig=1g.5gb", "NVIDIA_REQUIRE_CUDA": "cuda>=99.0"},
+                                     prestart=hook_entry(lenient, "prestart"),
+                                     create_runtime=hook_entry(site.config, "createRuntime")))
+    site.refused(started, "cuda>=99.0")
+    made = [e["uuid"] for e in events(a100, started.id) if e["event"] == "mig_created"]
+    assert len(made) == 1, events(a100, started.id)  # the first stage made it
+    assert nvml_instances(a100) == [] and mig_records(site) == [] and site.leases() == []

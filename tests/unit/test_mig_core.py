@@ -116,6 +116,30 @@ def test_a_name_has_one_holder_per_gpu() -> None:
     assert [g.index for g in anywhere.to_make[0].candidates] == [1]
 
 
+def test_a_same_id_container_gets_an_instance_of_its_own_and_a_second_stage_keeps_its_made_one() -> None:
+    """Issue 31: a made the 3g.20gb instance #instance1 (pid 7). Another container of id a (pid 8) is refused
+    the name, naming a's pid, and unnamed gets an instance to make, never a's; a's own second start stage
+    (pid 7 again) gets a's instance back, still gpuhook's: it is destroyed (recycled) when the lease ends."""
+    made = record(0, name="instance1")
+    inventory = with_recorded(host(True), (made,))
+    first = lease("a", made, pid=7)
+    ledger = Ledger((first,))
+    other = Holder(pid=8, start=1008)
+    with pytest.raises(BusyError, match=r"'instance1' on GPU 0 is held by a \(pid 7"):
+        allocate(ask("0,mig=3g.20gb#instance1", MigAsk(profile="3g.20gb", name="instance1", gpu=GpuIndex(0))),
+                 inventory, policies(inventory), ledger, container_id="a", holder=other, now=NOW)
+    unnamed = allocate(ask("0,mig=3g.20gb", MigAsk(profile="3g.20gb", gpu=GpuIndex(0))), inventory,
+                       policies(inventory), ledger, container_id="a", holder=other, now=NOW)
+    assert unnamed.devices == () and len(unnamed.to_make) == 1
+
+    again = allocate(ask("0,mig=3g.20gb#instance1", MigAsk(profile="3g.20gb", name="instance1", gpu=GpuIndex(0))),
+                     inventory, policies(inventory), ledger, container_id="a", holder=first.holder, now=NOW)
+    assert again.devices == (made.uuid,) and not again.to_make
+    second = ledger.reserve(replace(first, devices=again.devices, migs=again.migs))
+    assert second.leases[0].migs == (made,) and second.recycle == ()
+    assert second.release("a", first.holder).recycle == (made,)
+
+
 def test_an_exclusive_gpu_held_whole_makes_no_instance_for_another() -> None:
     inventory = host(True)
     ledger = Ledger((lease("a", devices=(_uuid(0),)),))

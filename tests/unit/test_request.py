@@ -494,3 +494,29 @@ def test_malformed_mig_asks_are_refused_for_what_they_are(raw: str, message: str
     with pytest.raises(RequestError, match=re.escape(message)) as refused:
         decode_devices(raw, source="NVIDIA_VISIBLE_DEVICES")
     assert "CDI" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    pytest.param("0," + ",".join(["mig=1g.5gb"] * 60_000), "has 60001 comma-separated entries, empty ones counted "
+                 "('0', ...); the limit is 256: list each GPU or MIG device once", id="60000-mig-asks"),
+    pytest.param(",".join(["0"] * 257), "has 257 comma-separated entries", id="one-too-many"),
+    pytest.param("0," * 300, "has 301 comma-separated entries, empty ones counted", id="empty-entries"),
+    pytest.param("0,mig=1g.5gb#" + "n" * 200, f"the entry 'mig=1g.5gb#{'n' * 29}'... is 211 "
+                 "characters long, blanks counted; the limit is 128: expected 'all'", id="long-name"),
+    pytest.param(" " * 200 + "0", "is 201 characters long, blanks counted", id="long-blanks"),
+])
+def test_a_device_list_past_its_bounds_is_refused_naming_the_limit(raw: str, message: str) -> None:
+    """Issue 31: a device list is bounded (256 entries of 128 characters) before any entry is decoded; the
+    refusal names the limit and quotes the start of the value, never all of it."""
+    with pytest.raises(RequestError, match=re.escape(message)) as refused:
+        request({"NVIDIA_VISIBLE_DEVICES": raw})
+    assert len(str(refused.value)) < 1000
+
+
+def test_a_device_list_at_its_bounds_is_accepted() -> None:
+    """256 entries, and an entry of 128 characters (a 63-character #NAME is far below it), decode."""
+    at_bounds = parse_visible_devices(",".join(str(n) for n in range(256)))
+    assert at_bounds is not None and len(at_bounds.devices) == 256
+    name = "n" * 63
+    longest = parse_visible_devices(f"0,{' ' * (128 - len('mig=1g.10gb+me#') - 63)}mig=1g.10gb+me#{name}")
+    assert longest is not None and longest.mig_asks == (MigAsk(profile="1g.10gb+me", name=name, gpu=GpuIndex(0)),)

@@ -513,13 +513,34 @@ def test_count_skips_gpus_whose_capabilities_do_not_allow_the_request() -> None:
 
 
 def test_the_containers_own_earlier_lease_does_not_count_against_it() -> None:
-    """A second start stage of the container that holds exclusive GPU 0 gets it again."""
+    """A second start stage of the container that holds exclusive GPU 0 (same id, same holder) gets it again."""
     inv = host(1)
-    ledger = Ledger((lease("a", _uuid(0)),))
-    assert allocate(req(GpuIndex(0)), inv, policies(inv, EXCLUSIVE), ledger, container_id="a",
+    held = lease("a", _uuid(0))
+    ledger = Ledger((held,))
+    assert allocate(req(GpuIndex(0)), inv, policies(inv, EXCLUSIVE), ledger, container_id="a", holder=held.holder,
                     now=NOW).devices == (_uuid(0),)
-    assert allocate(req(count=1), inv, policies(inv, EXCLUSIVE), ledger, container_id="a",
+    assert allocate(req(count=1), inv, policies(inv, EXCLUSIVE), ledger, container_id="a", holder=held.holder,
                     now=NOW).devices == (_uuid(0),)
+
+
+def test_a_same_id_container_of_another_holder_is_another_container() -> None:
+    """Issue 31: container "a" of another runc root (same id, another init) asking for A's exclusive GPU 0 is
+    refused naming A's pid; reserving it beside A's lease keeps both (A's is not replaced), and releasing the
+    second's by its holder leaves A's."""
+    inv = host(2)
+    first = lease("a", _uuid(0), pid=7)
+    ledger = Ledger((first,))
+    second = Holder(pid=8, start=1008)
+    with pytest.raises(BusyError, match=r"GPU 0 .* is exclusive, held by a \(pid 7"):
+        allocate(req(GpuIndex(0)), inv, policies(inv, EXCLUSIVE), ledger, container_id="a", holder=second, now=NOW)
+    with pytest.raises(BusyError, match=r"2 GPUs asked, 1 of 2 free .*held by a \(pid 7"):
+        allocate(req(count=2), inv, policies(inv, EXCLUSIVE), ledger, container_id="a", holder=second, now=NOW)
+    other = allocate(req(GpuIndex(1)), inv, policies(inv, EXCLUSIVE), ledger, container_id="a", holder=second, now=NOW)
+    both = take(ledger, other, "a", pid=8)
+    assert both.leases == (first, lease("a", _uuid(1), pid=8))
+    assert both.lease_of("a", second) == both.leases[1] and both.leases_of("a") == both.leases
+    assert both.release("a", second).leases == (first,)
+    assert both.release("a").leases == ()  # by hand: every lease under the id
 
 
 def test_mig_devices_and_their_parent_hold_each_other() -> None:
@@ -567,7 +588,7 @@ def test_ledger_transitions() -> None:
     a, b = lease("a", _uuid(0), pid=1), lease("b", _uuid(1), pid=2)
     ledger = Ledger().reserve(a).reserve(b)
     assert ledger.leases == (a, b) and a.state is LeaseState.RESERVED
-    assert ledger.lease_of("a") == a and ledger.lease_of("z") is None
+    assert ledger.lease_of("a", a.holder) == a and ledger.lease_of("z", a.holder) is None
     assert ledger.holding(_uuid(0).upper()) == (a,)
 
     again = lease("a", _uuid(2), pid=1)
@@ -575,8 +596,8 @@ def test_ledger_transitions() -> None:
 
     assert ledger.activate("a", Holder(pid=99, start=1)) == ledger  # another process: unchanged
     active = ledger.activate("a", a.holder)
-    assert active.lease_of("a") == replace(a, state=LeaseState.ACTIVE)
-    assert active.lease_of("b") == b
+    assert active.lease_of("a", a.holder) == replace(a, state=LeaseState.ACTIVE)
+    assert active.lease_of("b", b.holder) == b
     assert ledger.activate("zz", a.holder) == ledger
 
     assert ledger.release("a").leases == (b,)
