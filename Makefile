@@ -76,11 +76,11 @@ venv: $(VENV)/.installed
 # out their own with relay/build.sh.)
 relay: $(VENV)/bin/gpuhook-relay $(VENV)/libexec/gpuhook-runtime
 
-$(VENV)/bin/gpuhook-relay: relay/gpuhook-relay.c relay/answers.h relay/runtime_exec.h relay/build.sh gpuhook/__init__.py $(VENV)/.installed
+$(VENV)/bin/gpuhook-relay: relay/gpuhook-relay.c relay/answers.h relay/runtime_exec.h relay/tripwire.h relay/build.sh gpuhook/__init__.py $(VENV)/.installed
 	relay/build.sh $@
 	mkdir -p $(VENV)/libexec && cp $@ $(VENV)/libexec/nvidia-container-runtime-hook
 
-$(VENV)/libexec/gpuhook-runtime: relay/gpuhook-runtime.c relay/runtime_exec.h relay/build.sh $(VENV)/.installed
+$(VENV)/libexec/gpuhook-runtime: relay/gpuhook-runtime.c relay/runtime_exec.h relay/tripwire.h relay/build.sh $(VENV)/.installed
 	mkdir -p $(VENV)/libexec && relay/build.sh $@ gpuhook-runtime
 
 $(VENV)/.installed: pyproject.toml

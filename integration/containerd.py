@@ -100,6 +100,10 @@ class Containerd:
     base: Path
     proc: subprocess.Popen[bytes] | None = None
     log: Path = field(init=False)
+    #: the opt plugin's directory (its default: /opt/containerd), whose lib/ it puts into every shim's LD_LIBRARY_PATH
+    opt: Path | None = None
+    #: the daemon's environment, which its shims and their runtime inherit (default: ours)
+    env: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         """Derive the private paths."""
@@ -133,10 +137,11 @@ class Containerd:
             f'  address = "{self.base / "containerd.ttrpc.sock"}"\n'
             "[debug]\n"
             f'  address = "{self.base / "debug.sock"}"\n'
+            + (f'[plugins."io.containerd.internal.v1.opt"]\n  path = "{self.opt}"\n' if self.opt else "")
         )
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen([binary, "--config", str(config)], stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         deadline = time.monotonic() + _READY_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:

@@ -36,6 +36,7 @@
 
 #include "answers.h"
 #include "runtime_exec.h"
+#include "tripwire.h"
 
 #ifndef GPUHOOK_VERSION
 #error "build with relay/build.sh, which sets GPUHOOK_VERSION from gpuhook/__init__.py"
@@ -88,32 +89,6 @@ static int ready(int fd, short events, long long deadline)
 static int readable(int fd, long long deadline)
 {
     return ready(fd, POLLIN, deadline);
-}
-
-/* A variable's name, up to '=', compared as bytes (Python's sorted() on str agrees for UTF-8). */
-static int name_cmp(const char *a, const char *b)
-{
-    for (;; a++, b++) {
-        unsigned char ca = *a == '=' ? 0 : (unsigned char)*a, cb = *b == '=' ? 0 : (unsigned char)*b;
-        if (ca != cb || !ca)
-            return ca - cb;
-    }
-}
-
-/* hookcall.UNSAFE_NAMES: glibc's variables that load code or files into a process (unsecvars.h). */
-static const char *const unsafe_names[] = { "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES",
-                                            "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE", "NIS_PATH", "NLSPATH",
-                                            "RESOLV_HOST_CONF", "RES_OPTIONS" };
-
-static int tripped(const char *entry)
-{
-    for (size_t i = 0; i < sizeof unsafe_names / sizeof *unsafe_names; i++)
-        if (name_cmp(entry, unsafe_names[i]) == 0)
-            return 1;
-    if (strncmp(entry, "LD_", 3) != 0 && strncmp(entry, "PYTHON", 6) != 0)
-        return 0;
-    return name_cmp(entry, "PYTHONUNBUFFERED") && name_cmp(entry, "PYTHONDONTWRITEBYTECODE") &&
-           name_cmp(entry, "PYTHONIOENCODING");
 }
 
 /*
@@ -346,16 +321,20 @@ static _Noreturn void fallback(char **argv)
     cannot_run(strerror(errno));
 }
 
-/* The Python runtime wrapper (python_hook in runtime mode), with the runtime's argv and environment. */
+/* The Python runtime wrapper (python_hook in runtime mode), with the runtime's argv and the engine's
+ * environment without the tripwire's variables, and all of it in ENGINE_ENV for runc (tripwire.h). */
 static _Noreturn void runtime_fallback(char **argv)
 {
     int wrapper = open_python_hook();  /* never this relay, nor a copy of it */
+    char **env = wrapper_environment();
     (void)close(wrapper);
+    if (!env)
+        cannot_run(strerror(ENOMEM));
     if (sock >= 0)
         (void)close(sock);
     argv[0] = python_hook;
     (void)sigprocmask(SIG_SETMASK, &saved_mask, NULL);  /* cannot fail: valid arguments */
-    execve(python_hook, argv, environ);  /* a script (`#!python -I`): by path, as fallback() runs one */
+    execve(python_hook, argv, env);  /* a script (`#!python -I`): by path, as fallback() runs one */
     cannot_run(strerror(errno));
 }
 
@@ -574,9 +553,10 @@ static int edited(void)
  * (the engine's: its config search and tripwire need it) and no state (stdin is the container's, not
  * ours to read); it edits <bundle>/config.json through our root. On `done 0` we exec runc as
  * gpuhook-runtime.c would. Anything else (no daemon, declined, a failure, no answer) goes to the Python
- * wrapper, <prefix>/bin/gpuhook-runtime, with the runtime's argv and environment: it edits the spec
- * itself (the edit is atomic and idempotent, so one gpuhookd half did is simply done again) and
- * reports whatever is wrong in the engine's log.
+ * wrapper, <prefix>/bin/gpuhook-runtime, with the runtime's argv and environment (less the tripwire's
+ * variables; whole in ENGINE_ENV: runtime_fallback): it edits the spec itself (the edit is atomic
+ * and idempotent, so one gpuhookd half did is simply done again) and reports whatever is wrong in the
+ * engine's log.
  */
 static _Noreturn void runtime_main(int argc, char **argv)
 {

@@ -12,7 +12,9 @@
  * "Asks for a GPU" is decided as the Python wrapper's own first step decides it (request/quick.py
  * GPU_MARKERS): a config.json with none of those byte strings certainly asks for none. Any config.json
  * this cannot read in full (missing, too big, unreadable) goes to the Python wrapper, which reports it.
- * The Python wrapper is <prefix>/bin/gpuhook-runtime beside <prefix>/libexec/ where this program lives.
+ * The Python wrapper is <prefix>/bin/gpuhook-runtime beside <prefix>/libexec/ where this program lives;
+ * it starts without the tripwire's variables, and gets the engine's environment for runc in ENGINE_ENV
+ * (tripwire.h).
  *
  * Where <prefix>/bin/gpuhook-relay is installed, a GPU create goes to it first (as argv[0]
  * "gpuhook-runtime", then our argv): it has gpuhookd edit the spec, warm, and then execs runc itself;
@@ -27,6 +29,7 @@
 #include <unistd.h>
 
 #include "runtime_exec.h"
+#include "tripwire.h"
 
 #define SPEC_LIMIT (8 << 20)  /* oci.spec.SPEC_LIMIT: a bigger config.json goes to the Python wrapper */
 
@@ -133,28 +136,17 @@ static int beside_bin(const char *name, char *out, size_t size)
     return w > 0 && (size_t)w < size;
 }
 
-/* <prefix>/bin/gpuhook-runtime for this program at <prefix>/libexec/..., refused if it is this program. */
+/* <prefix>/bin/gpuhook-runtime for this program at <prefix>/libexec/... */
 static _Noreturn void exec_python_wrapper(char **argv)
 {
-    char exe[2048], wrapper[2100];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n <= 0 || (size_t)n >= sizeof exe - 1)
-        fail("cannot find its own executable", n < 0 ? strerror(errno) : "unusable /proc/self/exe");
-    exe[n] = '\0';
-    char *slash = strrchr(exe, '/');
-    if (slash)
-        *slash = '\0';
-    slash = strrchr(exe, '/');  /* exe is now our directory; its parent holds bin */
-    if (!slash)
-        fail("cannot find its own executable", "it is in /");
-    *slash = '\0';
-    (void)snprintf(wrapper, sizeof wrapper, "%s/bin/gpuhook-runtime", exe);  /* 2048 + 20 bytes: fits */
-    struct stat me, it;
-    if (stat("/proc/self/exe", &me) == 0 && stat(wrapper, &it) == 0 && me.st_dev == it.st_dev &&
-        me.st_ino == it.st_ino)
-        fail(wrapper, "is this program itself; it must be the Python wrapper (gpuhook.cli.entry:runtime)");
+    char wrapper[2100];
+    char **env = wrapper_environment();
+    if (!beside_bin("gpuhook-runtime", wrapper, sizeof wrapper))
+        fail("cannot find its own executable", "unusable /proc/self/exe");
+    if (!env)
+        fail(wrapper, strerror(ENOMEM));
     argv[0] = wrapper;
-    execve(wrapper, argv, environ);
+    execve(wrapper, argv, env);
     fail(wrapper, strerror(errno));
 }
 
@@ -172,10 +164,21 @@ static _Noreturn void exec_relay(char **argv)
     exec_python_wrapper(argv);
 }
 
+/* Run by a front-end as the Python wrapper *as*: this program was put there (copied, linked) instead. */
+static _Noreturn void not_the_wrapper(const char *as)
+{
+    fprintf(stderr, "gpuhook-runtime: %s is this front-end (a copy or link of it), not the Python wrapper that "
+            "belongs there, and would run itself for ever: put the Python wrapper there (the launcher of "
+            "gpuhook.cli.entry:runtime, as pip and the packages install it)\n", as);
+    exit(1);
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 1)
         fail("started without argv[0]", "nothing to do");
+    if (getenv(ENGINE_ENV))  /* only a front-end's start of the Python wrapper sets it */
+        not_the_wrapper(argv[0]);
     int at = command_index(argc, argv);
     if (at < argc && (strcmp(argv[at], "create") == 0 || strcmp(argv[at], "run") == 0) &&
         !certainly_no_gpu(bundle_of(argc, argv, at)))

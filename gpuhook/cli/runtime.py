@@ -7,7 +7,9 @@ them: see ``planning/specedit.py``) and adds gpuhook's prestart hook for the
 mounts and ld.so.cache, and its poststop hook, which releases the GPUs' lease
 when the container is deleted; every other command passes straight through.
 Installed, it runs behind relay/gpuhook-runtime.c, which execs runc itself for
-every other command and for a container that certainly asks for no GPU.
+every other command and for a container that certainly asks for no GPU, and
+starts this interpreter without the tripwire's variables, handing it the
+engine's environment for runc (``hygiene.runc_environment``).
 The config comes from ``$GPUHOOK_CONFIG`` or ``/etc/gpuhook/config.yaml``.
 """
 
@@ -16,16 +18,22 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
+from gpuhook.cli.hygiene import runc_environment
 from gpuhook.errors import GpuHookError, report_failure
 from gpuhook.hookcall import check_environment
-from gpuhook.request.runtimecall import ENGINE_ENV_FIX, bundle_arg, command_at, daemon_socket, engine_environment
+from gpuhook.request.runtimecall import (ENGINE_ENV_FIX, ENGINE_LIBRARY_PATH, bundle_arg, command_at, daemon_socket,
+                                         engine_environment)
 
 #: Trusted locations only: the wrapper runs as root and must not pick a runtime from a daemon's PATH.
 RUNTIME_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: Stock containerd's ENGINE_LIBRARY_PATH ("/opt/containerd/lib:"), let into this interpreter when the engine
+#: runs it directly (`gpuhook install --runtime containerd` registers it so): root's own directory, which
+#: runc loads from as well. Any other value needs the C front-end, which starts this wrapper without it.
+DIRECT_LIBRARY_PATH: Final = frozenset({"/opt/containerd/lib", ""})
 
 
 def bundle_of(argv: Sequence[str]) -> Path | None:
@@ -74,6 +82,22 @@ def installed_relay() -> Path | None:
     return relay if launcher.is_absolute() and relay.is_file() else None
 
 
+def interpreter_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """This interpreter's *env* as the tripwire judges it: without stock containerd's DIRECT_LIBRARY_PATH."""
+    return {key: value for key, value in env.items()
+            if not (key == ENGINE_LIBRARY_PATH and set(value.split(":")) <= DIRECT_LIBRARY_PATH)}
+
+
+def front_end_fix() -> str:
+    """What to register instead of this wrapper, whose interpreter got the engine's loader variables."""
+    launcher = Path(sys.argv[0])
+    front_end = launcher.parent.parent / "libexec" / "gpuhook-runtime"  # the packages' layout
+    name = (str(front_end) if launcher.is_absolute() and front_end.is_file()
+            else "gpuhook's C front-end (the packages' /usr/bin/gpuhook-runtime)")
+    return (f"The engine runs the Python wrapper {launcher} itself: register {name} as the runtime instead, "
+            "which gives runc the engine's environment and starts the Python wrapper without them")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Edit the bundle when a container is created, then exec the real runtime."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -82,19 +106,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpuhook-runtime: neither runc nor crun found in {RUNTIME_PATH}", file=sys.stderr)
         return 1
     bundle = bundle_of(args)
-    if bundle is not None:
-        try:
-            # it runs as root for the container being created, with the engine's environment
-            check_environment(engine_environment(os.environ), fix=ENGINE_ENV_FIX)
+    try:
+        engine_env = runc_environment(os.environ)
+        if bundle is not None:
+            # runc runs as root for the container with the engine's environment: what no engine sets for it
+            check_environment(engine_environment(engine_env), fix=ENGINE_ENV_FIX)
+            # and this interpreter, root too, must have started without any of them
+            check_environment(interpreter_environment(os.environ), fix=front_end_fix())
             _edit(bundle.absolute(), os.environ.get("GPUHOOK_CONFIG"))
-        except GpuHookError as err:
-            message = report_failure(err)
-            print(message, file=sys.stderr)
-            log, fmt = log_target(args)
-            if log is not None:
-                write_runtime_log(log, fmt, message)
-            return 1
-    os.execv(runtime, [runtime, *args])
+    except GpuHookError as err:
+        message = report_failure(err)
+        print(message, file=sys.stderr)
+        log, fmt = log_target(args)
+        if log is not None:
+            write_runtime_log(log, fmt, message)
+        return 1
+    os.execve(runtime, [runtime, *args], engine_env)
 
 
 def _edit(bundle: Path, config: str | None) -> None:

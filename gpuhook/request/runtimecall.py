@@ -15,8 +15,9 @@ from typing import Any, Final
 
 HOOK_ENV: Final = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
 ENGINE_ENV_FIX: Final = ("gpuhook-runtime inherits its engine's environment (dockerd's, or containerd's for its "
-                         "shims): remove them from that service's unit (systemctl edit docker.service or "
-                         "containerd.service) and restart it")
+                         "shims): remove them from that service's unit (systemctl edit docker.service, "
+                         "containerd.service, or k3s.service or rke2-server.service, whose containerd it is) "
+                         "and restart it")
 #: The stages the wrapper registers gpuhook's hook for: the start that gives the GPUs, and the
 #: deletion that releases their lease.
 HOOK_STAGES: Final = ("prestart", "poststop")
@@ -24,9 +25,11 @@ HOOK_STAGES: Final = ("prestart", "poststop")
 #: relay/gpuhook-runtime.c skips them to find the command word.
 VALUE_OPTIONS: Final = frozenset({"--root", "--log", "--log-format", "--log-level", "--criu", "--rootless",
                                   "--cgroup-manager"})
-#: containerd starts every shim, and so the runtime, with its own library directory added to
-#: LD_LIBRARY_PATH (observed: "/opt/containerd/lib:"): the engine's setting, not the container's.
-CONTAINERD_LIBRARY_PATH: Final = frozenset({"/opt/containerd/lib", ""})
+#: containerd's opt plugin puts its library directory first in every shim's, and so the runtime's,
+#: LD_LIBRARY_PATH ("/opt/containerd/lib:", k3s's "/var/lib/rancher/k3s/agent/containerd/lib", any
+#: moved state's): the engine's own setting for runc, which gets it for every call whatever gpuhook does.
+#: The C front-ends start the Python wrapper without it (relay/tripwire.h).
+ENGINE_LIBRARY_PATH: Final = "LD_LIBRARY_PATH"
 #: argv[0] of a spec edit gpuhook-relay relays for relay/gpuhook-runtime.c (then the relay's own
 #: path, then the runtime's argv)
 RELAYED: Final = "gpuhook-runtime"
@@ -62,9 +65,9 @@ def bundle_arg(argv: Sequence[str]) -> str | None:
 
 
 def engine_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """*env* without containerd's own LD_LIBRARY_PATH (exactly that value; anything else still trips the check)."""
-    return {key: value for key, value in env.items()
-            if not (key == "LD_LIBRARY_PATH" and set(value.split(":")) <= CONTAINERD_LIBRARY_PATH)}
+    """The engine's *env* as the tripwire judges it for runc: without ENGINE_LIBRARY_PATH, whatever its value;
+    every other variable the tripwire names (LD_PRELOAD, LD_AUDIT, ...) an engine never sets for runc."""
+    return {key: value for key, value in env.items() if key != ENGINE_LIBRARY_PATH}
 
 
 def hook_entry(config: str | None, stage: str = "prestart", relay: PurePath | None = None,

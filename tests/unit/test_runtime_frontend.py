@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from integration.relay import BUILD
+from gpuhook.cli.hygiene import ENGINE_ENV, runc_environment
+from integration.relay import BUILD, launcher_text
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +99,85 @@ def test_a_config_it_cannot_read_goes_to_the_wrapper(front_end: Path, wrapper: P
     assert len(wrapper.read_text().splitlines()) == 2
 
 
-def test_it_refuses_to_run_itself_as_the_wrapper(front_end: Path, tmp_path: Path) -> None:
-    """bin/gpuhook-runtime being this program would exec itself for ever: refused, naming the fix."""
-    script = front_end.parents[1] / "bin" / "gpuhook-runtime"
-    script.parent.mkdir(exist_ok=True)
-    script.unlink(missing_ok=True)
-    os.link(front_end, script)
-    try:
-        result = run(front_end, "create", "-b", str(bundle(tmp_path, ["NVIDIA_VISIBLE_DEVICES=all"])), "c1")
-    finally:
-        script.unlink()
-    assert result.returncode == 1 and "is this program itself" in result.stderr, result
+@pytest.fixture(scope="module")
+def built_relay(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpuhook-relay, built once, for the layouts where the front-end's GPU create goes to it first."""
+    relay = tmp_path_factory.mktemp("relay") / "gpuhook-relay"
+    subprocess.run([str(BUILD), str(relay), "gpuhook-relay"], check=True)
+    return relay
+
+
+def layout(tmp_path: Path, front_end: Path, relay: Path | None) -> Path:
+    """A prefix of its own: ``libexec/gpuhook-runtime`` (a copy of *front_end*), ``bin/gpuhook-relay`` if
+    *relay*; the front-end's path. Nothing serves gpuhookd's socket the engine names (``run_in``)."""
+    prefix = tmp_path / "prefix"
+    (prefix / "libexec").mkdir(parents=True)
+    (prefix / "bin").mkdir()
+    shutil.copy2(front_end, prefix / "libexec/gpuhook-runtime")
+    if relay is not None:
+        shutil.copy2(relay, prefix / "bin/gpuhook-relay")
+    return prefix / "libexec/gpuhook-runtime"
+
+
+def run_in(program: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """*program* with *args* and the engine's *env* (and a gpuhookd socket nobody serves)."""
+    engine_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", **env,
+                  "GPUHOOK_DAEMON_SOCKET": str(program.parents[2] / "nobody.sock")}
+    return subprocess.run([str(program), *args], capture_output=True, text=True, check=False, env=engine_env,
+                          timeout=20)
+
+
+@pytest.mark.parametrize("relay", [pytest.param(True, id="through-the-relay"), pytest.param(False, id="direct")])
+@pytest.mark.parametrize("put", [pytest.param(shutil.copy2, id="copy"), pytest.param(os.link, id="hard-link")])
+def test_it_refuses_to_run_itself_as_the_wrapper(front_end: Path, built_relay: Path, tmp_path: Path, relay: bool,
+                                                 put: Callable[[Path, Path], object]) -> None:
+    """bin/gpuhook-runtime being this program (a copy or a hard link) would exec itself for ever, through the
+    relay's fallback too: the copy started as the wrapper stops with one line naming itself and the fix."""
+    program = layout(tmp_path, front_end, built_relay if relay else None)
+    wrapper = program.parents[1] / "bin/gpuhook-runtime"
+    put(program, wrapper)
+    result = run_in(program, "create", "-b", str(bundle(tmp_path, ["NVIDIA_VISIBLE_DEVICES=all"])), "c1", env={})
+    assert (result.returncode, result.stdout) == (1, ""), result
+    assert result.stderr == (
+        f"gpuhook-runtime: {wrapper} is this front-end (a copy or link of it), not the Python wrapper that belongs "
+        "there, and would run itself for ever: put the Python wrapper there (the launcher of "
+        "gpuhook.cli.entry:runtime, as pip and the packages install it)\n")
+
+
+@pytest.mark.parametrize("relay", [pytest.param(True, id="through-the-relay"), pytest.param(False, id="direct")])
+def test_the_wrapper_starts_without_the_engines_loader_variables(front_end: Path, built_relay: Path,
+                                                                 tmp_path: Path, relay: bool) -> None:
+    """containerd's LD_LIBRARY_PATH (k3s's here) and every other tripwire variable never reach the Python wrapper's
+    interpreter; the engine's whole environment comes in ENGINE_ENV, which gives it back exactly."""
+    program = layout(tmp_path, front_end, built_relay if relay else None)
+    record = tmp_path / "environ"
+    script = program.parents[1] / "bin/gpuhook-runtime"
+    script.write_text(f"#!/bin/sh\ncat /proc/$$/environ > {record}\nexit 7\n")  # the environ it was started with
+    script.chmod(0o755)
+    engine = {"LD_LIBRARY_PATH": "/var/lib/rancher/k3s/agent/containerd/lib:", "LD_PRELOAD": "/x.so",
+              "PYTHONPATH": "/p", "GCONV_PATH": "/g", "PYTHONUNBUFFERED": "1", "NOTIFY_SOCKET": "/run/n=1\n2"}
+    result = run_in(program, "create", "--bundle", str(bundle(tmp_path, ["NVIDIA_VISIBLE_DEVICES=0"])), "c1",
+                    env=engine)
+    assert result.returncode == 7, result
+    started = dict(entry.split("=", 1) for entry in record.read_bytes().decode().split("\0") if entry)
+    assert set(started) == {"PYTHONUNBUFFERED", "NOTIFY_SOCKET", "PATH", "GPUHOOK_DAEMON_SOCKET", ENGINE_ENV}
+    assert runc_environment(started) == engine | {k: started[k] for k in ("PATH", "GPUHOOK_DAEMON_SOCKET")}
+
+
+def test_a_wrapper_the_engine_runs_itself_names_the_front_end(front_end: Path, tmp_path: Path) -> None:
+    """The Python wrapper registered directly (BinaryName) under k3s: its interpreter got the library path, so
+    it refuses in one line naming the front-end beside it to register instead; through that front-end the
+    same call gets past the tripwire (to the missing bundle)."""
+    program = layout(tmp_path, front_end, None)
+    python_wrapper = program.parents[1] / "bin/gpuhook-runtime"
+    python_wrapper.write_text(launcher_text(sys.executable, "runtime"))
+    python_wrapper.chmod(0o755)
+    k3s = {"LD_LIBRARY_PATH": "/var/lib/rancher/k3s/agent/containerd/lib"}
+    direct = run_in(python_wrapper, "create", "--bundle", str(tmp_path / "nowhere"), "c1", env=k3s)
+    fronted = run_in(program, "create", "--bundle", str(tmp_path / "nowhere"), "c1", env=k3s)
+    assert (direct.returncode, direct.stderr) == (1, (
+        "gpuhook: the hook's environment sets LD_LIBRARY_PATH; they can inject code into a root process "
+        f"(CVE-2025-23266). The engine runs the Python wrapper {python_wrapper} itself: register {program} as the "
+        "runtime instead, which gives runc the engine's environment and starts the Python wrapper without them\n"))
+    assert (fronted.returncode, fronted.stderr) == (
+        1, f"gpuhook: cannot open {tmp_path / 'nowhere'}/config.json: No such file or directory\n")
