@@ -50,7 +50,7 @@ from gpuhook.request.parse import parse_request
 from gpuhook.sharing.allocate import Allocation, allocate
 from gpuhook.sharing.ledger import Holder, Lease, Ledger, MigRecord, MpsDaemon
 from gpuhook.sharing.mig import mode_may_be_stale
-from gpuhook.sharing.policy import GpuPolicy, Sharing, client_limits
+from gpuhook.sharing.policy import GpuPolicy, Sharing, client_limits, shm_size_mib
 
 #: what a plan function returns (_creating_nodes)
 P = TypeVar("P")
@@ -229,24 +229,29 @@ def stop(config: Config, state_obj: Mapping[str, Any], *, served_by: str) -> Non
     log = get_logger()
     log.bind(container_id=container_id, served_by=served_by)
     released, kept = leases.release_if_gone(config.state_dir, container_id)
-    if released is not None:
-        log.info("lease_released", devices=list(released.devices), why="poststop")
+    for lease in released:
+        log.info("lease_released", devices=list(lease.devices), pid=lease.holder.pid, why="poststop")
+    if released:
         _host_cleanup(config)
         _job_mapping(config)
-    elif kept is not None:
-        log.warning("lease_kept", pid=kept.holder.pid, why="its holder still runs; released when it exits")
+    else:  # a lease kept beside one released is another container's of the same id: nothing to warn of
+        for lease in kept:
+            log.warning("lease_kept", pid=lease.holder.pid, why="its holder still runs; released when it exits")
 
 
 def release(config: Config, container_id: str) -> Lease | None:
-    """``gpuhook release``: drop *container_id*'s lease by hand, whatever its holder does."""
+    """``gpuhook release``: drop *container_id*'s lease by hand, whatever its holder does (every lease under that
+    id, when containers of one id hold several); the first one dropped."""
     if config.state_dir is None:
         return None
-    lease = leases.release(config.state_dir, container_id)
-    if lease is not None:
-        get_logger().info("lease_released", container_id=container_id, devices=list(lease.devices), why="by hand")
+    released = leases.release(config.state_dir, container_id)
+    for lease in released:
+        get_logger().info("lease_released", container_id=container_id, devices=list(lease.devices),
+                          pid=lease.holder.pid, why="by hand")
+    if released:
         _host_cleanup(config)
         _job_mapping(config)
-    return lease
+    return released[0] if released else None
 
 
 def reclaim_gone(config: Config) -> tuple[Ledger, tuple[Lease, ...]]:
@@ -270,9 +275,10 @@ def release_gone(config: Config, container_id: str) -> None:
     if config.state_dir is None:
         return
     released, _ = leases.release_if_gone(config.state_dir, container_id)
-    if released is not None:
-        get_logger().info("lease_released", container_id=container_id, devices=list(released.devices),
-                          pid=released.holder.pid, why="holder exited", served_by="gpuhookd")
+    for lease in released:
+        get_logger().info("lease_released", container_id=container_id, devices=list(lease.devices),
+                          pid=lease.holder.pid, why="holder exited", served_by="gpuhookd")
+    if released:
         _host_cleanup(config)
         _job_mapping(config)
 
@@ -373,10 +379,15 @@ def _mps_daemon(config: Config, inventory: Inventory, policies: Mapping[int, Gpu
 
     step = time.monotonic()
     threads, memory = client_limits(policies[gpu.index], gpu)
-    daemon = mps.ensure(config.state_dir, _mps_control(inventory), gpu,
-                        mps.Limits(thread_percentage=threads, memory_limit_mib=memory))
+    ensured = mps.ensure(config.state_dir, _mps_control(inventory), gpu,
+                         mps.Limits(thread_percentage=threads, memory_limit_mib=memory,
+                                    shm_size_mib=shm_size_mib(policies[gpu.index])))
+    daemon = ensured.daemon
+    if ensured.found.problems:
+        get_logger().warning("mps_daemon_not_as_recorded", gpu=gpu.index, problems=list(ensured.found.problems),
+                             done="restarted in the same directories" if ensured.started else "limits told again")
     get_logger().info("mps_daemon", gpu=gpu.index, pid=daemon.holder.pid if daemon.holder else None,
-                      thread_percentage=threads, memory_limit_mib=memory, ms=_ms(step))
+                      started=ensured.started, thread_percentage=threads, memory_limit_mib=memory, ms=_ms(step))
     return daemon
 
 
@@ -384,8 +395,25 @@ def _with_mps(live: LiveFacts, daemon: MpsDaemon | None) -> LiveFacts:
     """*live* with *daemon*'s pipes (where CUDA looks by default) and shared memory in place of the host's."""
     if daemon is None:
         return live
-    pipe = DriverFile(name=catalog.MPS_PIPE_DIRECTORY, host_path=Path(daemon.pipe_dir))
+    from gpuhook.provision.mps import client_dir
+
+    pipe = DriverFile(name=catalog.MPS_PIPE_DIRECTORY, host_path=Path(client_dir(daemon)))
     return dataclasses.replace(live, mps_pipe=pipe, mps_shm=DriverFile(name="/dev/shm", host_path=Path(daemon.shm_dir)))
+
+
+def mps_checks(config: Config, inventory: Inventory | None = None,
+               ledger: Ledger | None = None) -> dict[str, tuple[str, ...]]:
+    """GPU UUID → what is wrong with the MPS daemon gpuhook recorded for it (empty: it is gpuhook's, with the
+    limits recorded), for every recorded daemon (``status``, the metrics). Read-only."""
+    if config.state_dir is None:
+        return {}
+    ledger = ledger if ledger is not None else ledger_store.read(config.state_dir)
+    if not ledger.daemons:
+        return {}
+    from gpuhook.provision import mps
+
+    control = _mps_control(inventory or host_inventory(config).inventory)
+    return {daemon.gpu: mps.check(control, daemon).problems for daemon in ledger.daemons}
 
 
 def _mps_control(inventory: Inventory) -> Path:

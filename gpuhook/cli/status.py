@@ -24,7 +24,7 @@ def run_status(config_arg: str | None, debug: bool, env: Mapping[str, str], *, a
 
         sys.stdout.write(metrics.render(config).decode())
         return 0
-    data = status_object(report)
+    data = status_object(report, service.mps_checks(config, report.inventory, report.ledger))
     if as_json:
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -45,9 +45,10 @@ def run_release(config_arg: str | None, debug: bool, env: Mapping[str, str], con
     return 0
 
 
-def status_object(report: service.HostStatus) -> dict[str, Any]:
+def status_object(report: service.HostStatus, mps_checks: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
     """The JSON shape: ``{"gpus": [{"index", "uuid", "model", "sharing", "replicas", ..., "holders": [...]}],
-    "mig_devices": [{"uuid", "gpu_index", "profile", "name", "created_by_gpuhook", "holder"}]}``."""
+    "mig_devices": [{"uuid", "gpu_index", "profile", "name", "created_by_gpuhook", "holder"}]}``; *mps_checks*:
+    what is wrong with each recorded MPS daemon (``service.mps_checks``)."""
     inventory, ledger = report.inventory, report.ledger
     gpus = []
     for gpu in inventory.gpus:
@@ -62,17 +63,21 @@ def status_object(report: service.HostStatus) -> dict[str, Any]:
             "sharing": policy.sharing.value, "replicas": policy.replicas,
             "capabilities": sorted(policy.capabilities) if policy.capabilities is not None else None,
             "holders": holders,
-            "mps": _mps(ledger.daemon_for(gpu.uuid), ledger),
+            "mps": _mps(ledger.daemon_for(gpu.uuid), ledger, mps_checks.get(gpu.uuid, ())),
         })
     return {"gpus": gpus, "mig_devices": [_mig_device(mig, ledger) for mig in inventory.mig_devices]}
 
 
-def _mps(daemon: MpsDaemon | None, ledger: Ledger) -> dict[str, Any] | None:
+def _mps(daemon: MpsDaemon | None, ledger: Ledger, problems: tuple[str, ...]) -> dict[str, Any] | None:
+    """The GPU's MPS daemon: ``ok`` false with the ``problems`` when the daemon behind its pipes is not
+    gpuhook's recorded one or reports other limits (the next start restarts it or tells them again), and
+    what a restart does while clients hold the GPU (always the same directories, so they reconnect)."""
     if daemon is None:
         return None
     return {"pid": daemon.holder.pid if daemon.holder else None, "thread_percentage": daemon.thread_percentage,
             "memory_limit_mib": daemon.memory_limit_mib, "pipe_directory": daemon.pipe_dir,
-            "clients": [lease.container_id for lease in ledger.holding(daemon.gpu)]}
+            "clients": [lease.container_id for lease in ledger.holding(daemon.gpu)],
+            "ok": not problems, "problems": list(problems), "restart": "same-directories"}
 
 
 def _mig_device(mig: MigDevice, ledger: Ledger) -> dict[str, Any]:
@@ -102,7 +107,10 @@ def status_text(data: Mapping[str, Any], *, leasing: bool) -> str:
         if gpu["mps"] is not None:
             mps = gpu["mps"]
             holders.append(f"MPS daemon pid {mps['pid']}: {mps['thread_percentage']:g}% of the SMs, "
-                           f"{mps['memory_limit_mib']} MiB per client, pipes in {mps['pipe_directory']}")
+                           f"{mps['memory_limit_mib']} MiB per client, pipes in {mps['pipe_directory']} (a restart "
+                           "reuses them: its clients reconnect)")
+            holders += [f"MPS daemon NOT as gpuhook recorded it: {problem} (the next start fixes it)"
+                        for problem in mps["problems"]]
         rows.append((str(gpu["index"]), gpu["uuid"], gpu["model"], policy, holders[0]))
         rows += [("", "", "", "", more) for more in holders[1:]]
     widths = [max(len(row[n]) for row in rows) for n in range(4)]

@@ -336,12 +336,16 @@ def _ipc(inventory: Inventory, caps: frozenset[Capability]) -> tuple[BindMount, 
 
 
 def _mps_pipe(live: LiveFacts, caps: frozenset[Capability]) -> tuple[BindMount, ...]:
-    """The MPS pipe directory for compute, at its path, read-write (its clients make pipes in it), nosuid, nodev,
-    noexec: as NVIDIA's hook mounts the host's (libnvidia-container lookup_ipcs); for a GPU gpuhook shares
-    through its own MPS daemon, that daemon's, with the /dev/shm it shares with its clients."""
+    """The MPS pipe directory for compute, at its path, nosuid, nodev, noexec: the host's read-write, as NVIDIA's
+    hook mounts it (libnvidia-container lookup_ipcs; its clients make pipes in it); for a GPU gpuhook shares
+    through its own MPS daemon (the one with a /dev/shm of its own), that daemon's client directory, read-only
+    (a tenant may connect to the socket in it, but neither replace it nor make one of its own there for the
+    other tenants), with the /dev/shm tmpfs the daemon shares with its clients, read-write."""
     if Capability.COMPUTE not in caps:
         return ()
-    return tuple(BindMount(source=str(d.host_path), target=d.name, noexec=True, directory=True, writable=True)
+    gpuhooks = live.mps_shm is not None
+    return tuple(BindMount(source=str(d.host_path), target=d.name, noexec=True, directory=True,
+                           writable=not (gpuhooks and d is live.mps_pipe))
                  for d in (live.mps_pipe, live.mps_shm) if d is not None)
 
 

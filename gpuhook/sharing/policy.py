@@ -61,6 +61,8 @@ class MpsLimits:
     thread_percentage: float | None = None
     #: device memory a client may pin, in MiB (set_default_device_pinned_mem_limit); None: total / replicas
     memory_limit_mib: int | None = None
+    #: the size of the /dev/shm tmpfs the daemon shares with its clients, in MiB; None: DEFAULT_SHM_SIZE_MIB
+    shm_size_mib: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +93,15 @@ class GpuPolicy:
 
 
 UNLIMITED: Final = GpuPolicy()
+#: An MPS GPU's /dev/shm (a tmpfs of its own) when its policy gives no ``mps.shm_size``: NVIDIA's device
+#: plugin mounts 64 MiB for its MPS daemons.
+DEFAULT_SHM_SIZE_MIB: Final = 64
+
+
+def shm_size_mib(policy: GpuPolicy) -> int:
+    """``sharing: mps``: the MiB of the /dev/shm tmpfs *policy*'s daemon shares with its clients."""
+    assert policy.mps is not None
+    return policy.mps.shm_size_mib or DEFAULT_SHM_SIZE_MIB
 
 
 def client_limits(policy: GpuPolicy, gpu: Gpu) -> tuple[float, int]:
@@ -176,12 +187,13 @@ class _Keys:
     mps: str
     mps_threads: str
     mps_memory: str
+    mps_shm: str
 
 
 YAML_KEYS: Final = _Keys("device", "sharing", "replicas", "capabilities", "mig", "enable", "instance",
-                         "mps", "thread_percentage", "memory_limit")
+                         "mps", "thread_percentage", "memory_limit", "shm_size")
 FILE_KEYS: Final = _Keys("DeviceID", "Sharing", "Replicas", "Capabilities", "MIGMode", "Enable", "Instance",
-                         "MPS", "ThreadPercentage", "MemoryLimit")
+                         "MPS", "ThreadPercentage", "MemoryLimit", "ShmSize")
 _MEMORY_RE: Final = re.compile(r"([1-9][0-9]{0,8})([MGT])")
 
 
@@ -257,7 +269,7 @@ def _decode_entry(item: Any, keys: _Keys, where: str) -> GpuPolicy:
                      mig=mig, mps=MpsLimits() if sharing is Sharing.MPS and mps is None else mps)
 
 
-def _nested(value: Any, names: tuple[str, str], where: str) -> Mapping[str, Any] | None:
+def _nested(value: Any, names: tuple[str, ...], where: str) -> Mapping[str, Any] | None:
     """A nested mapping (``mig``, ``mps``) of at most the keys *names*, or None when absent."""
     if value is None:
         return None
@@ -270,19 +282,20 @@ def _nested(value: Any, names: tuple[str, str], where: str) -> Mapping[str, Any]
 
 
 def _mps(value: Any, keys: _Keys, where: str) -> MpsLimits | None:
-    value = _nested(value, (keys.mps_threads, keys.mps_memory), where)
+    value = _nested(value, (keys.mps_threads, keys.mps_memory, keys.mps_shm), where)
     if value is None:
         return None
-    threads, memory = value.get(keys.mps_threads), value.get(keys.mps_memory)
+    threads, memory, shm = value.get(keys.mps_threads), value.get(keys.mps_memory), value.get(keys.mps_shm)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int | float)
                                 or not 0 < threads <= 100):
         raise ConfigError(f"{where}.{keys.mps_threads} must be a percentage above 0 and at most 100, got {threads!r}")
     return MpsLimits(thread_percentage=None if threads is None else float(threads),
-                     memory_limit_mib=None if memory is None else _mebibytes(memory, f"{where}.{keys.mps_memory}"))
+                     memory_limit_mib=None if memory is None else _mebibytes(memory, f"{where}.{keys.mps_memory}"),
+                     shm_size_mib=None if shm is None else _mebibytes(shm, f"{where}.{keys.mps_shm}"))
 
 
 def _mebibytes(value: Any, where: str) -> int:
-    """A memory limit: MiB as a whole number, or ``10G`` / ``512M`` / ``1T``."""
+    """A size (a memory limit, a tmpfs): MiB as a whole number, or ``10G`` / ``512M`` / ``1T``."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     found = _MEMORY_RE.fullmatch(value) if isinstance(value, str) else None

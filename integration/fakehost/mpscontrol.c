@@ -16,8 +16,10 @@
  *   nvidia-cuda-mps-control      client: reads commands from stdin, one a line
  *                                (the last may lack its newline), sends each
  *                                to the daemon and prints its reply; exits 0.
- *                                With no daemon: "Cannot find MPS control
- *                                daemon process" on stderr, exit status 1.
+ *                                It connects to control_privileged where it
+ *                                can (the daemon's user, root), else to
+ *                                control.  With neither: "Cannot find MPS
+ *                                control daemon process" on stderr, exit 1.
  *
  * Environment: CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps),
  * CUDA_MPS_LOG_DIRECTORY (default /var/log/nvidia-mps); CUDA_VISIBLE_DEVICES
@@ -25,8 +27,10 @@
  *
  * The pipe directory (created 0755 if missing) holds what the real daemon
  * makes there:
- *     control                      UNIX stream socket, 0666: the UI connects here
- *     control_privileged           UNIX stream socket, 0755 (served alike here)
+ *     control                      UNIX stream socket, 0666: CUDA clients (and
+ *                                  any user's UI) connect here
+ *     control_privileged           UNIX stream socket, 0755: the daemon's own
+ *                                  user's (or root's) UI connects here
  *     control_lock                 regular file, 0666, flock()ed while it runs
  *     log                          FIFO, 0777 (made, never written)
  *     nvidia-cuda-mps-control.pid  the daemon's pid and a newline, 0666
@@ -63,6 +67,12 @@
  * A command not understood (an unknown name, a percentage out of range, a
  * malformed limit) is logged as "Cmd:..." like any other, changes nothing and
  * gets no reply; the daemon keeps running.
+ *
+ * Privileged commands (those that change the daemon: quit, the set_default_*
+ * commands, start_server) are run only for a connection to
+ * control_privileged; on control they are logged, then refused with the reply
+ * "Permission denied", and change nothing: a client that can reach control
+ * alone (a container given only that socket) can ask, never steer.
  *
  * Wire format between client and daemon (the real one is private; this one
  * is the stand-in's own): the client sends each command as a line; the
@@ -108,6 +118,7 @@ static const char *const PIPE_ENTRIES[] = {
 
 struct client {
     int fd;
+    int privileged; /* accepted on control_privileged */
     size_t used;
     char buf[LINE_MAX_LEN];
 };
@@ -216,14 +227,28 @@ static int mkdir_p(const char *path, mode_t mode)
 
 /* ---- client mode --------------------------------------------------------- */
 
+/* A connection to dir/name; -1 when there is none to be had. */
+static int connect_to(const char *dir, int dir_fd, const char *name)
+{
+    struct sockaddr_un addr;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    if (socket_address(&addr, dir, dir_fd, name) < 0 || connect(fd, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
 static int run_client(void)
 {
     const char *dir = env_or("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR);
     int dir_fd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
-    struct sockaddr_un addr;
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (dir_fd < 0 || fd < 0 || socket_address(&addr, dir, dir_fd, "control") < 0 ||
-        connect(fd, (struct sockaddr *)&addr, sizeof addr) < 0) {
+    int fd = dir_fd < 0 ? -1 : connect_to(dir, dir_fd, "control_privileged");
+    if (fd < 0 && dir_fd >= 0)
+        fd = connect_to(dir, dir_fd, "control");
+    if (fd < 0) {
         fputs(MSG_NO_DAEMON, stderr);
         return 1;
     }
@@ -341,8 +366,15 @@ static struct limit *find_limit(const char *dev)
     return NULL;
 }
 
+/* The commands that change the daemon: control_privileged's alone. */
+static int is_privileged(const char *name)
+{
+    return strcmp(name, "quit") == 0 || strcmp(name, "start_server") == 0 ||
+           strncmp(name, "set_default_", strlen("set_default_")) == 0;
+}
+
 /* Runs one command; writes the reply (possibly empty) into reply. */
-static void run_command(char *line, char *reply, size_t size)
+static void run_command(char *line, char *reply, size_t size, int privileged)
 {
     reply[0] = '\0';
     logf_("Cmd:%s", line);
@@ -353,7 +385,9 @@ static void run_command(char *line, char *reply, size_t size)
     char *extra = strtok_r(NULL, " \t", &save);
     if (!name)
         return;
-    if (strcmp(name, "quit") == 0 && !arg1) {
+    if (!privileged && is_privileged(name)) {
+        snprintf(reply, size, "Permission denied\n");
+    } else if (strcmp(name, "quit") == 0 && !arg1) {
         D.quitting = 1;
     } else if (strcmp(name, "get_server_list") == 0 && !arg1) {
         /* No server ever starts without a GPU. */
@@ -413,7 +447,7 @@ static void answer(struct client *c, char *line)
         line++;
     if (!*line)
         return;
-    run_command(line, reply, sizeof reply);
+    run_command(line, reply, sizeof reply, c->privileged);
     /* Reply, then NUL: an empty reply is still an answer. */
     if (send(c->fd, reply, strlen(reply) + 1, MSG_NOSIGNAL) < 0)
         return;
@@ -449,7 +483,7 @@ static void serve(struct client *c)
         close_client(c);
 }
 
-static void accept_client(int listen_fd)
+static void accept_client(int listen_fd, int privileged)
 {
     int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
     if (fd < 0)
@@ -459,6 +493,7 @@ static void accept_client(int listen_fd)
         if (D.clients[i].fd < 0) {
             D.clients[i].fd = fd;
             D.clients[i].used = 0;
+            D.clients[i].privileged = privileged;
             logf_("NEW UI");
             return;
         }
@@ -515,7 +550,7 @@ static int event_loop(int sig_fd)
         }
         for (int k = 1; k < 3; k++)
             if (fds[k].revents & POLLIN)
-                accept_client(fds[k].fd);
+                accept_client(fds[k].fd, k == 2);
         for (int k = 3; k < n && !D.quitting; k++)
             if (fds[k].revents)
                 serve(&D.clients[slot[k]]);

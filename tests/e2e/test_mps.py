@@ -23,10 +23,15 @@ from .test_leases import Site, Started, wait_for
 
 GPU0 = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
 MPS0 = [{"device": 0, "sharing": "mps", "replicas": 2}]
-#: What the container sees: the daemon's control socket where CUDA looks by default, and what is mounted
-#: on /dev/shm (mountinfo field 4: the source's root), then it holds its GPU until killed.
+#: What the container sees: the daemon's control socket where CUDA looks by default (and what else is in
+#: that directory), the filesystem type and superblock options of the top mount on /dev/shm (mountinfo's
+#: fields after the " - ") and its mount options (field 6), a file of its own in /dev/shm; then it holds its
+#: GPU until killed.
 PROBE = ("test -S /tmp/nvidia-mps/control && echo control-socket > /out/mps; "
-         "awk '$5 == \"/dev/shm\" {print \"shm=\" $4}' /proc/self/mountinfo >> /out/mps; "
+         "echo pipes=$(ls -A /tmp/nvidia-mps | tr '\\n' ,) >> /out/mps; "
+         "awk '$5 == \"/dev/shm\" {for (i = 7; i < NF; i++) if ($i == \"-\") shm = $(i + 1) \",\" $(i + 3) \";\" $6} "
+         "END {print \"shm=\" shm}' /proc/self/mountinfo >> /out/mps; "
+         "echo > /dev/shm/from-$(cat /proc/sys/kernel/random/uuid); "
          "ls /dev > /out/.dev && mv /out/.dev /out/dev && exec sleep 1000")
 
 
@@ -96,14 +101,15 @@ def test_one_daemon_per_gpu_with_the_policys_limits_for_both_clients_and_quit_af
     b = site.run(GPU0, script=PROBE)
     seen = sees(b)
     assert "control-socket" in seen, seen
-    # /dev/shm is the daemon's (a bind of its shm dir: mountinfo's root names that directory)
-    assert any(line.startswith("shm=") and line.endswith(f"/mps/{h100.gpus[0].uuid}/shm")
-               for line in seen.split()), seen
+    # /dev/shm is the daemon's: a 64 MiB tmpfs by default, where both containers' files land
+    assert "shm=tmpfs,rw,size=65536k;rw,nosuid,nodev,noexec,relatime" in seen.split(), seen
+    assert len(list(Path(daemon["shm_dir"]).glob("from-*"))) == 2
     assert [d["pid"] for d in daemons(site)] == [pid]  # the same daemon serves both
     site.refused(site.run(GPU0), a.id, b.id, "mps (replicas 2)")
     [gpu0] = [g for g in site.status()["gpus"] if g["index"] == 0]
     assert gpu0["mps"] == {"pid": pid, "thread_percentage": 50.0, "memory_limit_mib": half,
-                           "pipe_directory": daemon["pipe_dir"], "clients": [a.id, b.id]}
+                           "pipe_directory": daemon["pipe_dir"], "clients": [a.id, b.id], "ok": True,
+                           "problems": [], "restart": "same-directories"}
     assert 'gpuhook_mps_daemon_up{gpu="0"} 1.0' in site.gpuhook("status", "--prometheus").stdout
     site.delete(a.id)
     assert _alive(pid) and [d["pid"] for d in daemons(site)] == [pid]
@@ -164,3 +170,158 @@ def test_gpuhook_runtime_also_puts_the_limits_in_the_containers_environment(site
                                        f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={half}M"}, run.stdout
     assert "CUDA_MPS_PIPE_DIRECTORY=/somewhere/else" not in run.stdout
     assert daemons(site) == []  # its poststop stopped the daemon it was the last client of
+
+
+def in_container(site: Site, container_id: str, script: str) -> str:
+    """*script* run by ``runc exec`` in the container, as one of its own processes (the tenant's); its output."""
+    proc = site.runc_cmd("exec", container_id, "/bin/sh", "-c", script)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def ask(site: Site, container_id: str, command: str, *, pipe: str = "/tmp/nvidia-mps") -> str:
+    """``echo COMMAND | nvidia-cuda-mps-control`` in the container (the driver's, which gpuhook injects)."""
+    return in_container(site, container_id, f"echo {command} | CUDA_MPS_PIPE_DIRECTORY={pipe} "
+                                            "nvidia-cuda-mps-control 2>&1; echo status=$?")
+
+
+def test_a_tenant_can_neither_quit_the_daemon_nor_serve_the_others_from_a_daemon_of_its_own(
+        site: Site, h100: FakeHost) -> None:
+    """Through its own processes, a tenant of a sharing: mps GPU: its /tmp/nvidia-mps holds the client socket
+    alone, read-only; quit and new limits are refused; a daemon of its own cannot start there, nor can it
+    plant or remove an entry (EROFS); one elsewhere serves only itself. The other tenant still reaches
+    gpuhook's daemon with the policy's 50%, and status and the metrics say all is well."""
+    a = site.run(GPU0, script=PROBE)
+    b = site.run(GPU0, script=PROBE)
+    assert "pipes=control," in sees(a).split() and "pipes=control," in sees(b).split()
+    [daemon] = daemons(site)
+    assert "Permission denied" in ask(site, a.id, "quit")
+    assert "Permission denied" in ask(site, a.id, "set_default_active_thread_percentage 100")
+    own = in_container(site, a.id, "nvidia-cuda-mps-control -d 2>&1; echo status=$?; "
+                                   "mkfifo /tmp/nvidia-mps/control2 2>&1; rm -f /tmp/nvidia-mps/control 2>&1; true")
+    assert "status=1" in own and own.count("Read-only file system") == 3, own
+    assert ask(site, a.id, "get_default_active_thread_percentage", pipe="/tmp/nvidia-mps") == "50.0\nstatus=0\n"
+    elsewhere = in_container(site, a.id, "CUDA_MPS_PIPE_DIRECTORY=/tmp/own CUDA_MPS_LOG_DIRECTORY=/tmp/own-log "
+                                         "nvidia-cuda-mps-control -d && echo started")
+    assert elsewhere == "started\n"
+    assert ask(site, a.id, "set_default_active_thread_percentage 100", pipe="/tmp/own") == "100.0\nstatus=0\n"
+    assert _alive(daemon["pid"]) and [d["pid"] for d in daemons(site)] == [daemon["pid"]]
+    assert ask(site, b.id, "get_default_active_thread_percentage") == "50.0\nstatus=0\n"
+    [gpu0] = [g for g in site.status()["gpus"] if g["index"] == 0]
+    assert (gpu0["mps"]["ok"], gpu0["mps"]["problems"]) == (True, [])
+    metric = f'gpuhook_mps_daemon_ok{{gpu="0",uuid="{h100.gpus[0].uuid}"}} 1.0'
+    assert metric in site.gpuhook("status", "--prometheus").stdout
+
+
+def test_limits_told_by_someone_else_show_in_status_and_the_next_start_tells_them_again(
+        site: Site, h100: FakeHost) -> None:
+    """Someone with the host's control_privileged gives the daemon 100%: status says it is not as recorded, the
+    metric is 0; the next start tells it the policy's 50% again, and both say so."""
+    import subprocess
+
+    a = site.run(GPU0, script=PROBE)
+    sees(a)
+    [daemon] = daemons(site)
+    control = h100.root / "usr/bin/nvidia-cuda-mps-control"
+    env = {"CUDA_MPS_PIPE_DIRECTORY": daemon["pipe_dir"], "CUDA_MPS_LOG_DIRECTORY": daemon["log_dir"]}
+    told = subprocess.run([control], input="set_default_active_thread_percentage 100\n", env=env,
+                          capture_output=True, text=True, timeout=10, check=True)
+    assert told.stdout == "100.0\n"
+    [gpu0] = [g for g in site.status()["gpus"] if g["index"] == 0]
+    assert gpu0["mps"]["ok"] is False
+    assert gpu0["mps"]["problems"] == ["it reports 100.0% of the SMs per client, not 50%"]
+    assert "MPS daemon NOT as gpuhook recorded it: it reports 100.0%" in site.gpuhook("status").stdout
+    metric = f'gpuhook_mps_daemon_ok{{gpu="0",uuid="{h100.gpus[0].uuid}"}}'
+    assert f"{metric} 0.0" in site.gpuhook("status", "--prometheus").stdout
+    b = site.run(GPU0, script=PROBE)
+    sees(b)
+    assert [d["pid"] for d in daemons(site)] == [daemon["pid"]]  # the same daemon, told again
+    [gpu0] = [g for g in site.status()["gpus"] if g["index"] == 0]
+    assert (gpu0["mps"]["ok"], gpu0["mps"]["problems"]) == (True, [])
+    assert f"{metric} 1.0" in site.gpuhook("status", "--prometheus").stdout
+
+
+def test_a_daemon_killed_while_a_container_holds_the_gpu_restarts_where_the_holder_reaches_it(
+        site: Site) -> None:
+    """kill -9 of the daemon while A holds the GPU; B's start restarts it in the same directories: A, through
+    the mounts it got at its start, reaches the new daemon (told the policy's limits) and still shares
+    /dev/shm with B."""
+    a = site.run(GPU0, script=PROBE)
+    sees(a)
+    [first] = daemons(site)
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_for("the daemon died", lambda: not _alive(first["pid"]))
+    [gpu0] = [g for g in site.status()["gpus"] if g["index"] == 0]
+    assert gpu0["mps"]["problems"] == [f"its control daemon (pid {first['pid']}) is not running"]
+    assert gpu0["mps"]["restart"] == "same-directories"
+    b = site.run(GPU0, script=PROBE)
+    sees(b)
+    [second] = daemons(site)
+    assert second["pid"] != first["pid"] and _alive(second["pid"])
+    assert {k: v for k, v in second.items() if k not in ("pid", "start_ticks")} == \
+        {k: v for k, v in first.items() if k not in ("pid", "start_ticks")}
+    assert ask(site, a.id, "get_default_active_thread_percentage") == "50.0\nstatus=0\n"
+    assert in_container(site, a.id, "ls /dev/shm | wc -l").strip() == "2"  # its file and B's
+    site.delete(a.id)
+    site.delete(b.id)
+    assert not _alive(second["pid"]) and daemons(site) == []
+
+
+def test_a_tenant_filling_dev_shm_fills_only_the_gpus_bounded_tmpfs(
+        tmp_path: Path, h100: FakeHost, rootfs_src: Path) -> None:
+    """mps.shm_size 2M: the GPU's /dev/shm is a 2 MiB tmpfs, on no filesystem the ledger is on; a tenant
+    writing 8 MiB there gets ENOSPC at 2 MiB, and the next start (which writes leases.json) still works. The
+    tenants killed without their poststop, the next reclaim (status) unmounts it."""
+    site = Site(tmp_path / "site", h100, rootfs_src,
+                [{"device": 0, "sharing": "mps", "replicas": 2, "mps": {"shm_size": "2M"}}])
+    try:
+        a = site.run(GPU0, script=PROBE)
+        assert "shm=tmpfs,rw,size=2048k;rw,nosuid,nodev,noexec,relatime" in sees(a).split()
+        [daemon] = daemons(site)
+        shm = Path(daemon["shm_dir"])
+        assert os.stat(shm).st_dev != os.stat(site.state_dir).st_dev
+        filled = in_container(site, a.id, "dd if=/dev/zero of=/dev/shm/fill bs=1M count=8 2>&1; echo status=$?")
+        assert "No space left on device" in filled and "status=1" in filled, filled
+        assert (shm / "fill").stat().st_size <= 2 << 20
+        b = site.run(GPU0, script=PROBE)
+        sees(b)
+        assert len(site.leases()) == 2
+        site.kill(a.id)
+        site.kill(b.id)
+        site.status()
+        assert daemons(site) == [] and not shm.exists()
+        assert str(shm) not in Path("/proc/self/mountinfo").read_text()
+    finally:
+        site.cleanup()
+        for left in daemons(site):
+            if left["pid"] and _alive(left["pid"]):
+                os.kill(left["pid"], signal.SIGKILL)
+
+
+def test_gpuhookd_serving_the_start_gives_the_same_client_view_and_tmpfs(site: Site, h100: FakeHost) -> None:
+    """A start gpuhookd's worker serves (it takes the hook's view of the host first): the daemon it starts is
+    reached through the read-only client view, refuses the tenant's quit, and its /dev/shm tmpfs is mounted
+    on the host, where the container's poststop unmounts it."""
+    import json
+    import sys
+
+    from integration.gpuhookd import Gpuhookd
+
+    from .conftest import hook_entry
+
+    gpuhookd = Gpuhookd(sys.executable, site.tmp / "gpuhookd", config=site.config)
+    try:
+        a = site.run(GPU0, script=PROBE, prestart=hook_entry(site.config, "--daemon-socket", gpuhookd.socket,
+                                                             "prestart"))
+        seen = sees(a).split()
+        assert "pipes=control," in seen and "shm=tmpfs,rw,size=65536k;rw,nosuid,nodev,noexec,relatime" in seen
+        served = [json.loads(line) for line in (h100.root / "gpuhook.log").read_text().splitlines() if a.id in line]
+        assert any(e.get("event") == "mps_daemon" and e.get("served_by") == "gpuhookd" for e in served), served
+        assert "Permission denied" in ask(site, a.id, "quit")
+        [daemon] = daemons(site)
+        assert _alive(daemon["pid"]) and daemon["shm_dir"] in Path("/proc/self/mountinfo").read_text()
+        site.delete(a.id)
+        assert daemons(site) == [] and daemon["shm_dir"] not in Path("/proc/self/mountinfo").read_text()
+    finally:
+        journal = gpuhookd.stop()
+    assert "Traceback" not in journal, journal

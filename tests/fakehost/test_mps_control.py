@@ -311,3 +311,28 @@ def test_pipe_directory_longer_than_sun_path(mps: Mps, tmp_path: Path) -> None:
     mps.send("quit\n")
     mps.wait_gone(pid)
     assert list(mps.pipe_dir.iterdir()) == []
+
+
+def test_a_client_that_reaches_only_control_can_ask_but_not_steer(mps: Mps, tmp_path: Path) -> None:
+    """A pipe directory with the daemon's control socket alone (a hard link, as gpuhook gives containers):
+    the client connects there; quit, set_default_* and start_server are logged, answered "Permission denied"
+    and change nothing; the queries are answered; the daemon runs on."""
+    pid = mps.start()
+    assert mps.send("set_default_active_thread_percentage 50\n").stdout == "50.0\n"
+    client_view = tmp_path / "client"
+    client_view.mkdir()
+    os.link(mps.pipe_dir / "control", client_view / "control")
+    tenant = dict(mps.env, CUDA_MPS_PIPE_DIRECTORY=str(client_view))
+    before = len(mps.log_lines())
+    result = subprocess.run([mps.program], input="quit\nset_default_active_thread_percentage 100\n"
+                            "set_default_device_pinned_mem_limit 0 80G\nstart_server -uid 0\n"
+                            "get_default_active_thread_percentage\n", env=tenant, capture_output=True, text=True,
+                            timeout=WAIT_S, check=False)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == "Permission denied\n" * 4 + "50.0\n"
+    logged = [message for _, message in mps.log_lines()[before:]]
+    assert "Cmd:quit" in logged and logged.count("Permission denied") == 4
+    assert mps.send("get_default_device_pinned_mem_limit 0\n").stdout == ""  # never set
+    assert mps.send("get_default_active_thread_percentage\n").stdout == "50.0\n"
+    assert int((mps.pipe_dir / "nvidia-cuda-mps-control.pid").read_text()) == pid
+    assert Path(f"/proc/{pid}").exists()

@@ -11,7 +11,8 @@ from gpuhook.inventory import Gpu
 from gpuhook.request.model import GpuIndex
 from gpuhook.sharing.allocate import allocate
 from gpuhook.sharing.ledger import Holder, Lease, Ledger, MpsDaemon, from_object, to_object
-from gpuhook.sharing.policy import GpuPolicy, MpsLimits, Sharing, client_limits, decode_device_file, decode_gpus
+from gpuhook.sharing.policy import (DEFAULT_SHM_SIZE_MIB, GpuPolicy, MpsLimits, Sharing, client_limits,
+                                    decode_device_file, decode_gpus, shm_size_mib)
 from tests.unit.test_sharing import NOW, host, req
 
 UUID = "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd"
@@ -31,6 +32,17 @@ def test_both_syntaxes_give_the_same_mps_policy() -> None:
     assert yaml_form.entries == file_form.entries == (
         GpuPolicy(device="0", sharing=Sharing.MPS, replicas=4,
                   mps=MpsLimits(thread_percentage=30.0, memory_limit_mib=10240)),)
+
+
+def test_the_shm_size_is_the_policys_else_64_mib_as_nvidias_device_plugin_mounts() -> None:
+    """mps.shm_size (MiB, or "1G"; ShmSize in the device file) sizes the GPU's /dev/shm tmpfs; 64 MiB without it."""
+    [sized] = decode_gpus([{"device": 0, "sharing": "mps", "replicas": 2, "mps": {"shm_size": "1G"}}],
+                          source="t").entries
+    [default] = decode_gpus([{"device": 0, "sharing": "mps", "replicas": 2}], source="t").entries
+    [from_file] = decode_device_file({"Devices": [{"DeviceID": "0", "Sharing": "mps", "Replicas": 2,
+                                                   "MPS": {"ShmSize": 256}}]}, source="t").entries
+    assert (shm_size_mib(sized), shm_size_mib(default), shm_size_mib(from_file)) == (1024, DEFAULT_SHM_SIZE_MIB, 256)
+    assert DEFAULT_SHM_SIZE_MIB == 64
 
 
 def test_client_limits_default_to_the_share_per_replica_as_nvidias_device_plugin_sets_them() -> None:
@@ -56,6 +68,10 @@ def test_client_limits_default_to_the_share_per_replica_as_nvidias_device_plugin
     ({"device": 0, "sharing": "mps", "replicas": 2, "mps": {"memory_limit": "10 GB"}},
      r"mps.memory_limit must be MiB as a whole number \(10240\) or a size like \"10G\""),
     ({"device": 0, "sharing": "mps", "replicas": 2, "mps": {"threads": 5}}, r"unknown key\(s\) threads"),
+    ({"device": 0, "sharing": "mps", "replicas": 2, "mps": {"shm_size": "64 MB"}},
+     r"gpus\[0\].mps.shm_size must be MiB as a whole number \(10240\) or a size like \"10G\" or \"512M\", "
+     r"got '64 MB'"),
+    ({"device": 0, "sharing": "mps", "replicas": 2, "mps": {"shm_size": 0}}, r"mps.shm_size must be MiB"),
 ])
 def test_mps_policies_that_cannot_work_are_refused_naming_the_key(entry: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
