@@ -123,9 +123,9 @@ def test_kubernetes_files_parse_and_agree() -> None:
     runtime_class = yaml.safe_load((PACKAGING / "kubernetes/runtimeclass.yaml").read_text())
     dropin = (PACKAGING / "kubernetes/containerd-gpuhook.toml").read_text()
     assert runtime_class["handler"] == "gpuhook" and "runtimes.gpuhook]" in dropin
-    (change, _, _) = changes("containerd", bin_dir=BIN, current={})
-    assert 'BinaryName = "/usr/lib/gpuhook/bin/gpuhook-runtime"' in dropin and change.content and \
-        'BinaryName = "/usr/lib/gpuhook/bin/gpuhook-runtime"' in change.content
+    front_end = "/usr/lib/gpuhook/libexec/gpuhook-runtime"  # what `gpuhook install` registers in the packages' layout
+    (change, _, _) = changes("containerd", bin_dir=BIN, current={}, runtime=front_end)
+    assert f'BinaryName = "{front_end}"' in dropin and change.content and f'BinaryName = "{front_end}"' in change.content
     daemonset = yaml.safe_load((PACKAGING / "kubernetes/daemonset.yaml").read_text())
     pod = daemonset["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"][0]
