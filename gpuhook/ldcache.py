@@ -41,6 +41,8 @@ class LdCacheEntry:
     key: str
     value: str
     flags: int
+    #: legacy hwcap bits, or a glibc-hwcaps entry's HWCAP_EXTENSION mark, ISA level and subdirectory index
+    hwcap: int = 0
 
     @property
     def arch(self) -> str | None:
@@ -63,8 +65,8 @@ def parse_ldcache(data: bytes) -> tuple[LdCacheEntry, ...]:
         raise LdCacheFormatError(f"ld.so.cache: {nlibs} entries do not fit in {len(data)} bytes")
     out = []
     for i in range(nlibs):
-        flags, key, value, _os, _hwcap = _NEW_ENTRY.unpack_from(data, start + _NEW_HEADER.size + i * _NEW_ENTRY.size)
-        out.append(LdCacheEntry(_string(data, start, key), _string(data, start, value), flags))
+        flags, key, value, _os, hwcap = _NEW_ENTRY.unpack_from(data, start + _NEW_HEADER.size + i * _NEW_ENTRY.size)
+        out.append(LdCacheEntry(_string(data, start, key), _string(data, start, value), flags, hwcap))
     return tuple(out)
 
 
@@ -122,52 +124,124 @@ class CacheRecord:
     isa_level: int = 0
 
 
+#: C's int is 32 bits: glibc's digit arithmetic wraps modulo 2**32 (two's complement on x86-64)
+_INT_MODULUS: Final = 1 << 32
+_INT_MAX: Final = (1 << 31) - 1
+#: 10**32 is a multiple of 2**32: a run's last 32 digits give its value modulo 2**32
+_INT_DIGITS: Final = 32
+
+
+def _c_int(value: int) -> int:
+    """*value* as a C int holds it: wrapped modulo 2**32 into [-2**31, 2**31)."""
+    return (value + (1 << 31)) % _INT_MODULUS - (1 << 31)
+
+
+def _c_number(digits: bytes) -> int:
+    """``val = val * 10 + *p++ - '0'`` over a run of digits, in C ints (without reading thousands of digits)."""
+    return _c_int(int(digits[-_INT_DIGITS:]))
+
+
+#: a run of digits, found at C speed: a SONAME may hold thousands
+_DIGIT_RUN: Final = re.compile(rb"[0-9]*")
+
+
+def _run_end(name: bytes, start: int) -> int:
+    """Where the run of digits at *start* ends."""
+    run = _DIGIT_RUN.match(name, start)
+    return run.end() if run else start
+
+
+def _c_char(byte: int) -> int:
+    """A byte as x86-64's (signed) ``char``: 0x80-0xff are negative, below NUL."""
+    return byte - 256 if byte >= 0x80 else byte
+
+
+def _is_digit(byte: int) -> bool:
+    return 0x30 <= byte <= 0x39  # b'0' <= byte <= b'9': a negative (high) char never is one
+
+
 def libcmp(left: bytes, right: bytes) -> int:
-    """glibc's _dl_cache_libcmp: byte order, except that runs of digits compare as numbers."""
+    """glibc's _dl_cache_libcmp as x86-64 compiles it: runs of digits compare as numbers held in C ints (so
+    a run of 2**31 or more wraps, and so does the difference returned), other bytes as signed chars (a byte
+    over 0x7f sorts below NUL). Only the sign of the answer counts, as for ldconfig and ld.so."""
     i = j = 0
     while i < len(left):
         a = left[i]
         b = right[j] if j < len(right) else 0
-        if 0x30 <= a <= 0x39:
-            if not 0x30 <= b <= 0x39:
+        if _is_digit(a):
+            if not _is_digit(b):
                 return 1
-            start = i
-            while i < len(left) and 0x30 <= left[i] <= 0x39:
-                i += 1
-            value_a = int(left[start:i])
-            start = j
-            while j < len(right) and 0x30 <= right[j] <= 0x39:
-                j += 1
-            value_b = int(right[start:j])
+            start, i = i, _run_end(left, i)
+            value_a = _c_number(left[start:i])
+            start, j = j, _run_end(right, j)
+            value_b = _c_number(right[start:j])
             if value_a != value_b:
-                return value_a - value_b
-        elif 0x30 <= b <= 0x39:
+                return _c_int(value_a - value_b)
+        elif _is_digit(b):
             return -1
         elif a != b:
-            return a - b
+            return _c_char(a) - _c_char(b)
         else:
             i += 1
             j += 1
-    return 0 - (right[j] if j < len(right) else 0)
+    return -_c_char(right[j]) if j < len(right) else 0
 
 
 _DIGITS: Final = re.compile(rb"[0-9]+|[^0-9]")
+#: where the name ends: NUL, above every high (negative) byte, below every other byte and digit run
+_END: Final = (0, 0)
 
 
-def libcmp_key(name: bytes) -> list[tuple[int, int]]:
+def libcmp_key(name: bytes) -> list[tuple[int, int]] | None:
     """A sort key in ``libcmp``'s order (for names without NUL, as every file name and SONAME is): each run
-    of digits one number, each other byte itself, and a digit after any other byte."""
-    return [(1, int(token)) if 0x30 <= token[0] <= 0x39 else (0, token[0])  # b'0' <= byte <= b'9'
-            for token in _DIGITS.findall(name)]
+    of digits one number, each other byte itself as a signed char, and a digit after any other byte. None
+    where a run of digits reaches 2**31: there C's wrapping makes libcmp no order at all (a < b < c < a can
+    hold), and only ldconfig's own insertions give its order (``_sorted``)."""
+    key = []
+    for token in _DIGITS.findall(name):
+        if not _is_digit(token[0]):
+            key.append((0, _c_char(token[0])))
+        elif len(digits := token.lstrip(b"0")) > len(str(_INT_MAX)) or int(digits or b"0") > _INT_MAX:
+            return None
+        else:
+            key.append((1, int(digits or b"0")))
+    key.append(_END)
+    return key
+
+
+def _compare(e1: CacheRecord, e2: CacheRecord) -> int:
+    """elf/cache.c compare(): > 0 where *e1* goes after *e2* (names descending by libcmp, then flags
+    descending, glibc-hwcaps entries first by name, then the most specific legacy hwcap)."""
+    if res := libcmp(e2.soname, e1.soname):
+        return res
+    if e1.flags != e2.flags:
+        return 1 if e1.flags < e2.flags else -1
+    if (e1.hwcaps is None) != (e2.hwcaps is None):
+        return 1 if e1.hwcaps is None else -1
+    if e1.hwcaps is not None and e2.hwcaps is not None and e1.hwcaps != e2.hwcaps:
+        return 1 if e1.hwcaps > e2.hwcaps else -1  # strcmp: unsigned bytes
+    for mine, theirs in ((e1.hwcap.bit_count(), e2.hwcap.bit_count()), (e1.hwcap, e2.hwcap)):
+        if mine != theirs:
+            return 1 if theirs > mine else -1
+    return 0
 
 
 def _sorted(records: Sequence[CacheRecord]) -> list[CacheRecord]:
-    """elf/cache.c compare()'s order, stable (as ldconfig's sorted inserts): names descending by libcmp, then
-    flags descending, glibc-hwcaps entries first (by name), then the most specific legacy hwcap. Sorted by the
-    later rules first, then by name: a stable sort keeps their order among equal names."""
+    """add_to_cache()'s list: each record inserted before the first one ``_compare`` puts after it.
+
+    Where libcmp is an order (no run of digits reaches 2**31) that is a stable sort, done here by the later
+    rules first, then by name (a stable sort keeps their order among equal names). Otherwise ldconfig's
+    insertions are replayed one by one: with an order that is not transitive, no sort gives its list."""
+    keys = {r.soname: libcmp_key(r.soname) for r in records}
+    if None in keys.values():
+        entries: list[CacheRecord] = []
+        for record in records:
+            index = next((i for i, e in enumerate(entries) if _compare(e, record) > 0), len(entries))
+            entries.insert(index, record)
+        return entries
     entries = sorted(records, key=lambda r: (-r.flags, r.hwcaps is None, r.hwcaps or b"", -r.hwcap.bit_count(),
                                              -r.hwcap))
-    entries.sort(key=lambda r: libcmp_key(r.soname), reverse=True)
+    entries.sort(key=lambda r: keys[r.soname] or [], reverse=True)
     return entries
 
 

@@ -35,11 +35,14 @@ def wait_child(pid: int, read_fd: int, timeout: float, *, await_exit: bool = Tru
     chunks = []
     deadline = time.monotonic() + timeout
     timed_out = abandoned = False
-    watched = [read_fd] if abort_fd is None else [read_fd, abort_fd]
+    # poll, not select: select() refuses an fd past 1023, and a start holding many files has such fds
+    poller = select.poll()
+    for fd in (read_fd,) if abort_fd is None else (read_fd, abort_fd):
+        poller.register(fd, select.POLLIN)
     try:
         while True:
             left = deadline - time.monotonic()
-            ready = select.select(watched, [], [], left)[0] if left > 0 else []
+            ready = [fd for fd, _ in poller.poll(left * 1000)] if left > 0 else []
             if not ready or abort_fd in ready:
                 timed_out, abandoned = not ready, bool(ready)
                 os.kill(pid, signal.SIGKILL)

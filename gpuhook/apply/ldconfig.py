@@ -59,12 +59,20 @@ _MAX_COVERED: Final = 256
 #: ran) holds its gpuhookd worker for 5 s, not half the start's timeout (15 s)
 LDCONFIG_DEADLINE_S: Final = 5.0
 _ENV: Final = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
-#: libnvidia-container's limits for its ldconfig child (nvc_ldcache.c), with a larger file size:
-#: an image with many libraries can have a cache over 1 MiB.
+#: ldconfig's open files: glibc's parse_conf holds each file of an include chain open while it reads the
+#: next (a recursion with no depth limit of its own), so this limit is how deep a chain is read, here as
+#: for an ldconfig run by hand (the kernel's default soft limit); ``ldwrite`` reads as deep
+OPEN_FILES: Final = 1024
+#: what ldconfig holds open besides: its stdin, stdout and stderr (``_exec_sandboxed`` closes the rest)
+STANDARD_FILES: Final = 3
+#: the kernel's highest fd (fs.nr_open's default): every fd an unprivileged limit allows is below it
+_NR_OPEN: Final = 1 << 20
+#: libnvidia-container's limits for its ldconfig child (nvc_ldcache.c), with a larger file size (an image
+#: with many libraries can have a cache over 1 MiB) and glibc's include depth (``OPEN_FILES``).
 _LIMITS: Final = (
     (resource.RLIMIT_CPU, 10),
     (resource.RLIMIT_AS, 2 << 30),
-    (resource.RLIMIT_NOFILE, 64),
+    (resource.RLIMIT_NOFILE, OPEN_FILES),
     (resource.RLIMIT_FSIZE, 64 << 20),
 )
 
@@ -162,7 +170,7 @@ def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, pidfd: 
     ldconfig at once.
     """
     argv = ["ldconfig", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *dirs]
-    if abort_fd is not None and select.select([abort_fd], [], [], 0)[0]:
+    if abort_fd is not None and _readable(abort_fd):
         # Gone already (killed during an earlier step): ldconfig would write a cache the undo must
         # then chase; it is not started at all.
         raise ApplyError("ldconfig", " ".join(dirs), detail="not started: the process that started this start has gone")
@@ -188,6 +196,13 @@ def run_ldconfig(ldconfig_fd: int, root_fd: int, dirs: Sequence[str], *, pidfd: 
     if status != 0:
         why = f"killed by signal {-status}" if status is not None and status < 0 else f"exited with status {status}"
         raise ApplyError("ldconfig", " ".join(dirs), detail=f"{why}: {output.strip()[-500:]}")
+
+
+def _readable(fd: int) -> bool:
+    """Whether *fd* is readable now (poll: select() refuses an fd past 1023, which a large start can hold)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def update_ldcache(ldconfig: Path, rootfs: Path, dirs: Sequence[str], *, timeout: float) -> None:
@@ -245,11 +260,28 @@ def _exec_sandboxed(ldconfig_fd: int, root_fd: int, pidfd: int, fresh: int, argv
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
         _sandbox(root_fd, pidfd, fresh, conf=argv[2], dirs=argv[5:])
-        os.execve(ldconfig_fd, argv, _ENV)
+        os.execve(_only_standard_files(ldconfig_fd), argv, _ENV)
     except BaseException as err:  # noqa: BLE001 - report why the sandbox or exec failed, then die
         os.write(2, f"cannot start ldconfig: {err}".encode())
     finally:
         os._exit(127)
+
+
+def _only_standard_files(ldconfig_fd: int) -> int:
+    """Leave ldconfig its stdin (an empty pipe), stdout and stderr, and nothing this process inherited: its
+    include depth is the open files it has left (``OPEN_FILES``), the same however the hook was started.
+    Returns the sealed binary's fd for execve, past the standard ones (CLOEXEC: exec closes it)."""
+    os.closerange(STANDARD_FILES, ldconfig_fd)  # first: the limit is set, and fds past it may be all there is
+    os.closerange(max(ldconfig_fd + 1, STANDARD_FILES), _NR_OPEN)
+    binary = ldconfig_fd
+    if binary < STANDARD_FILES:  # stdin was closed, and the binary took its number
+        binary = fcntl.fcntl(ldconfig_fd, fcntl.F_DUPFD_CLOEXEC, STANDARD_FILES)
+    read_end, write_end = os.pipe()
+    os.dup2(read_end, 0)
+    os.set_inheritable(0, True)  # dup2 onto itself (fd 0 was free) keeps the pipe's CLOEXEC
+    for fd in {read_end, write_end} - {0}:
+        os.close(fd)
+    return binary
 
 
 def _sandbox(root_fd: int, pidfd: int, fresh: int, *, conf: str, dirs: Sequence[str]) -> None:

@@ -43,7 +43,7 @@ _BLANK: Final = re.compile(r"[ \t]")
 _MAGIC: Final = re.compile(r"[*?\[\\]")
 #: glob(3) features fnmatch does not share ([^...], classes, escapes): such a component matches anything
 _LOOSE: Final = re.compile(r"\\|\[\^|\[:|\[\[")
-#: more conf files than any image has (ldconfig's own include depth is bounded by its 64 fds)
+#: more conf files than any image has (ldconfig's own include depth is bounded by its open files)
 _MAX_CONFS: Final = 4096
 
 
@@ -79,29 +79,26 @@ class _Scan:
         return st
 
     def conf(self, path: str) -> None:
-        """Parse a configuration file as parse_conf() does: includes, directories, comments."""
-        if path in self._confs or len(self._confs) >= _MAX_CONFS:
-            return
-        self._confs.add(path)
-        st = self.special(path)
-        if st is None or not stat.S_ISREG(st.st_mode):
-            return
-        for raw in _read(path, self.found).split(b"\n"):
-            line = raw.split(b"#", 1)[0].lstrip(b" \t\n\v\f\r").decode("utf-8", "surrogateescape")
-            if not line:
+        """Parse a configuration file as parse_conf() does: includes, directories, comments. Each file once,
+        however deep its include chain (a list of the files to read, not a recursion: a chain may be as
+        deep as ldconfig's open files, past Python's recursion limit)."""
+        pending = [path]
+        while pending and len(self._confs) < _MAX_CONFS:
+            path = pending.pop()
+            if path in self._confs:
                 continue
-            if line.startswith("include") and line[7:8] in (" ", "\t"):
-                for pattern in _BLANK.split(line[8:]):
-                    if pattern:
-                        self._include(path, pattern)
-            elif not (line[:5].lower() == "hwcap" and line[5:6] in (" ", "\t")):
-                self.dirs.append(line)
-
-    def _include(self, conf: str, pattern: str) -> None:
-        if not pattern.startswith("/") and "/" in conf:
-            pattern = f"{os.path.dirname(conf)}/{pattern}"
-        for match in _glob(pattern):
-            self.conf(match)
+            self._confs.add(path)
+            st = self.special(path)
+            if st is None or not stat.S_ISREG(st.st_mode):
+                continue
+            for raw in _read(path, self.found).split(b"\n"):
+                line = raw.split(b"#", 1)[0].lstrip(b" \t\n\v\f\r").decode("utf-8", "surrogateescape")
+                if not line:
+                    continue
+                if line.startswith("include") and line[7:8] in (" ", "\t"):
+                    pending += [m for pattern in _BLANK.split(line[8:]) if pattern for m in _include(path, pattern)]
+                elif not (line[:5].lower() == "hwcap" and line[5:6] in (" ", "\t")):
+                    self.dirs.append(line)
 
     def directory(self, path: str, *, hwcaps: bool) -> None:
         """Check a directory as search_dir() reads it, with its glibc-hwcaps and hwcap subdirectories."""
@@ -132,6 +129,13 @@ class _Scan:
                     self.directory(sub, hwcaps=False)
             elif name in _HWCAP_DIRS or _TRIPLET.fullmatch(name):
                 self.directory(prefix + name, hwcaps=True)
+
+
+def _include(conf: str, pattern: str) -> list[str]:
+    """The files an include of *pattern* in *conf* names (relative to *conf*'s directory unless absolute)."""
+    if not pattern.startswith("/") and "/" in conf:
+        pattern = f"{os.path.dirname(conf)}/{pattern}"
+    return _glob(pattern)
 
 
 def _dir_path(line: str) -> str:

@@ -30,15 +30,18 @@ host's real ldconfig on a sample tree before a host uses it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
 from gpuhook.apply.ldelf import (FLAG_ELF, FLAG_ELF_LIBC5, FLAG_ELF_LIBC6, FLAG_LIBC4, UNKNOWN, LibraryInfo,
                                  implicit_soname, keep, known, read_library)
+from gpuhook.apply.ldconfig import OPEN_FILES, STANDARD_FILES
 from gpuhook.apply.rootfs import RootFs
 from gpuhook.ldcache import CacheRecord, encode_ldcache, libcmp
 from gpuhook.errors import ApplyError
@@ -68,8 +71,9 @@ _PSEUDO_FS: Final = frozenset(("proc", "sysfs", "devpts", "mqueue", "cgroup", "c
                                "securityfs", "bpf", "configfs", "fusectl", "pstore", "efivarfs", "binfmt_misc",
                                "devtmpfs", "hugetlbfs", "nsfs", "autofs"))
 _HIDDEN_TOPS: Final = ("proc", "sys", "dev")
-#: include depth: ldconfig holds every file of an include chain open and stops at its 64 fds
-_MAX_INCLUDE_DEPTH: Final = 60
+#: how many files of an include chain are read: glibc's parse_conf recurses without a limit of its own,
+#: holding each file open, so the chain ends where the sandboxed ldconfig has no fd left to open the next
+_MAX_CONF_CHAIN: Final = OPEN_FILES - STANDARD_FILES
 _SPACE: Final = b" \t\n\v\f\r"
 _MAX_CONF: Final = 16 << 20
 _PRELINK: Final = re.compile(rb".*\.#prelink#(\.......)?\Z", re.DOTALL)
@@ -133,7 +137,8 @@ def write_ldcache(fs: RootFs, dirs: tuple[str, ...], profile: LdconfigProfile, h
 class CacheWriter:
     """One start's cache: its directories found first (nothing changed yet), then written.
 
-    *hidden*: the filesystems read as absent (``hidden_devices``); *deadline*: a ``time.monotonic()``
+    *hidden*: the filesystems read as absent (``hidden_devices``; what lies under the rootfs's /proc,
+    /sys and /dev reads as absent whatever its filesystem); *deadline*: a ``time.monotonic()``
     past which it gives up (an image too large to scan in time, or changed from outside meanwhile).
     """
 
@@ -145,7 +150,7 @@ class CacheWriter:
         self._listed: list[bytes] = []  # the directories library_names listed
         for directory in dirs:
             self._tree.add_dir(self._scan, os.fsencode(directory))
-        self._tree.parse_conf(self._scan, _CONF, 0)
+        self._tree.parse_conf(self._scan, _CONF)
         for system_dir in profile.system_dirs:
             self._tree.add_dir(self._scan, system_dir)
 
@@ -202,17 +207,32 @@ class CacheWriter:
 
 
 def hidden_devices(fs: RootFs) -> frozenset[int]:
-    """The st_dev of every mount the sandboxed ldconfig would not have seen: kernel filesystems, and
-    whatever is mounted at or under the rootfs's /proc, /sys and /dev (it covered those with tmpfs)."""
-    root = pathrs.fd_path(fs.root_fd).rstrip("/")
-    tops = tuple(f"{root}/{top}" for top in _HIDDEN_TOPS)
-    found = set()
+    """The st_dev of the filesystems whose every file reads as absent: kernel filesystems, and those
+    mounted nowhere but at or under the rootfs's /proc, /sys and /dev (the sandboxed ldconfig covered
+    those three with tmpfs). A filesystem also mounted elsewhere (the rootfs's own disk, where kubelet's
+    /dev/termination-log comes from) is not hidden: ``_Tree`` hides what lies under the three by path."""
+    tops = _hidden_tops(fs)
+    kernel, under_tops, elsewhere = set(), set(), set()
     for mount in fs.mounts():
-        point = mount.mount_point
-        if mount.fs_type in _PSEUDO_FS or any(point == t or point.startswith(t + "/") for t in tops):
-            major, _, minor = mount.device.partition(":")
-            found.add(os.makedev(int(major), int(minor)))
-    return frozenset(found)
+        major, _, minor = mount.device.partition(":")
+        device = os.makedev(int(major), int(minor))
+        if mount.fs_type in _PSEUDO_FS:
+            kernel.add(device)
+        elif _under(mount.mount_point, tops):
+            under_tops.add(device)
+        else:
+            elsewhere.add(device)
+    return frozenset(kernel | (under_tops - elsewhere))
+
+
+def _hidden_tops(fs: RootFs) -> tuple[str, ...]:
+    """The rootfs's /proc, /sys and /dev, as this namespace's paths (mountinfo's, /proc/self/fd's) name them."""
+    root = pathrs.fd_path(fs.root_fd).rstrip("/")
+    return tuple(f"{root}/{top}" for top in _HIDDEN_TOPS)
+
+
+def _under(path: str, tops: tuple[str, ...]) -> bool:
+    return any(path == top or path.startswith(top + "/") for top in tops)
 
 
 class _Tree:
@@ -222,6 +242,7 @@ class _Tree:
         self.fs = fs
         self.root_fd = fs.root_fd
         self.hidden = hidden
+        self.hidden_tops = _hidden_tops(fs)
         self.deadline = deadline
         #: listings made before the scan changed anything (``CacheWriter.library_names``), by path
         self._listed: dict[bytes, list[_BytesEntry] | None] = {}
@@ -229,6 +250,8 @@ class _Tree:
         self.read = 0
         #: the directory being scanned: what its names lead to (``stat_in``), as its loop found them
         self._seen: dict[bytes, os.stat_result | None] = {}
+        #: the bytes of the configuration files being read (``parse_conf``)
+        self._conf_held = 0
 
     def check_time(self, path: bytes) -> None:
         if time.monotonic() > self.deadline:
@@ -239,15 +262,18 @@ class _Tree:
     # -- looking -----------------------------------------------------------------------------------
 
     def _open(self, path: bytes, flags: int) -> int | None:
-        """*path* opened inside the root (following symlinks there), or None: absent, unreachable,
-        or on a hidden filesystem."""
+        """*path* opened inside the root (following symlinks there), or None: absent, unreachable, on a
+        hidden filesystem, or where it leads under the rootfs's /proc, /sys or /dev (whatever is mounted
+        there, and from wherever: a bind from the rootfs's own disk hides no more than its mount point).
+        An entry of a directory opened here lies under them only if it is one of them (the root's "dev":
+        never a library's name), so entries need no such check."""
         if not path:
             return None
         try:
             fd = pathrs.openat2(self.root_fd, os.fsdecode(path), flags, _IN_ROOT)
         except (OSError, ValueError):
             return None
-        if os.fstat(fd).st_dev in self.hidden:
+        if os.fstat(fd).st_dev in self.hidden or _under(pathrs.fd_path(fd), self.hidden_tops):
             os.close(fd)
             return None
         return fd
@@ -371,19 +397,35 @@ class _Tree:
 
     # -- the configuration -------------------------------------------------------------------------
 
-    def parse_conf(self, scan: _Scan, filename: bytes, depth: int) -> None:
-        """parse_conf(): one directory per line, ``include`` globs, ``#`` comments, ``hwcap`` ignored."""
-        if depth >= _MAX_INCLUDE_DEPTH:
-            return
+    def parse_conf(self, scan: _Scan, filename: bytes) -> None:
+        """parse_conf(): one directory per line, ``include`` globs, ``#`` comments, ``hwcap`` ignored. Each
+        included file is read where its include line is, depth first (glibc's recursion, here a stack of the
+        files being read), up to ``_MAX_CONF_CHAIN`` files deep."""
+        reading = [self._conf_lines(filename)]
+        while reading:
+            conf, line = next(reading[-1], (b"", b""))
+            if not conf:
+                reading.pop()
+            elif line.startswith(b"include") and line[7:8] in (b" ", b"\t"):
+                if len(reading) < _MAX_CONF_CHAIN:
+                    matches = [m for p in re.split(rb"[ \t]", line[8:]) if p for m in self._include(conf, p)]
+                    reading.append(itertools.chain.from_iterable(map(self._conf_lines, matches)))
+            elif not (line[:5].lower() == b"hwcap" and line[5:6] in (b" ", b"\t")):
+                self.add_dir(scan, line)
+
+    def _conf_lines(self, filename: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """The lines of a configuration file that say something, each with the file's name; none where it is
+        absent, unreadable or not a file (ldconfig reads no line of it either)."""
         self.check_time(filename)
         opened = self.read_regular(filename)
         if opened is None:
-            return  # absent, unreadable, or not a file: ldconfig reads no line of it either
+            return
         fd, size = opened
-        if size > _MAX_CONF:
+        if size + self._conf_held > _MAX_CONF:  # each file of a chain is held while the next is read
             os.close(fd)
             raise ApplyError("ldconfig", os.fsdecode(filename), detail=(
-                f"is {size} bytes; a linker configuration over {_MAX_CONF >> 20} MiB is not read. Fix the image"))
+                f"is {size} bytes, the files including it {self._conf_held}; a linker configuration over "
+                f"{_MAX_CONF >> 20} MiB is not read. Fix the image"))
         try:
             chunks = []
             while chunk := os.read(fd, 1 << 16):
@@ -391,24 +433,20 @@ class _Tree:
         finally:
             os.close(fd)
         data = b"".join(chunks)
-        for raw in data.split(b"\n")[:-1] if data.endswith(b"\n") else data.split(b"\n"):
-            line = raw.split(b"\0", 1)[0].split(b"#", 1)[0].lstrip(_SPACE)
-            if not line:
-                continue
-            if line.startswith(b"include") and line[7:8] in (b" ", b"\t"):
-                for pattern in re.split(rb"[ \t]", line[8:]):
-                    if pattern:
-                        self._include(scan, filename, pattern, depth)
-            elif line[:5].lower() == b"hwcap" and line[5:6] in (b" ", b"\t"):
-                continue
-            else:
-                self.add_dir(scan, line)
+        self._conf_held += len(data)
+        try:
+            for raw in data.split(b"\n")[:-1] if data.endswith(b"\n") else data.split(b"\n"):
+                line = raw.split(b"\0", 1)[0].split(b"#", 1)[0].lstrip(_SPACE)
+                if line:
+                    yield filename, line
+        finally:
+            self._conf_held -= len(data)
 
-    def _include(self, scan: _Scan, conf: bytes, pattern: bytes, depth: int) -> None:
+    def _include(self, conf: bytes, pattern: bytes) -> list[bytes]:
+        """parse_conf_include(): the files *pattern* names, relative to *conf*'s directory unless absolute."""
         if not pattern.startswith(b"/") and b"/" in conf:
             pattern = os.path.dirname(conf) + b"/" + pattern
-        for match in self.glob(pattern):
-            self.parse_conf(scan, match, depth + 1)
+        return self.glob(pattern)
 
     def glob(self, pattern: bytes) -> list[bytes]:
         """glob(3) with no flags, in the C locale: the sorted matches; a pattern without wildcards

@@ -65,6 +65,8 @@ class RootFs:
         # directories. Safe to reuse because everything mounted through this object is mounted
         # over a regular file, which cannot change how a directory path resolves.
         self._dirs: dict[str, int] = {}
+        #: the directories whose links ``make_link``/``remove_link`` changed, by (st_dev, st_ino, mount id)
+        self._link_dirs: dict[tuple[int, int, int], int] = {}
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -300,15 +302,24 @@ class RootFs:
     def remove_link(self, dir_fd: int, name: str, path: str) -> None:
         """Remove the symlink *name* in *dir_fd* (nothing else); an undo makes it again. Raises OSError."""
         target = os.readlink(name, dir_fd=dir_fd)
+        kept = self._link_dir(dir_fd)
         os.unlink(name, dir_fd=dir_fd)
-        kept = os.dup(dir_fd)
         self._record(f"restore the link {path}", lambda: os.symlink(target, name, dir_fd=kept))
 
     def make_link(self, dir_fd: int, name: str, target: str, path: str) -> None:
         """Create the symlink *name* → *target* in *dir_fd*; an undo removes it. Raises OSError."""
+        kept = self._link_dir(dir_fd)
         os.symlink(target, name, dir_fd=dir_fd)
-        kept = os.dup(dir_fd)
         self._record(f"remove {path}", lambda: os.unlink(name, dir_fd=kept))
+
+    def _link_dir(self, dir_fd: int) -> int:
+        """The directory *dir_fd* held for the undo of its links: one fd per directory (and mount), however many
+        links change there (a large image changes hundreds), closed once the changes are kept or undone."""
+        st = os.fstat(dir_fd)
+        key = (st.st_dev, st.st_ino, mountinfo.mount_id(dir_fd))
+        if (kept := self._link_dirs.get(key)) is None:
+            kept = self._link_dirs[key] = os.dup(dir_fd)
+        return kept
 
     def mounts(self) -> tuple[mountinfo.MountInfo, ...]:
         """This namespace's mounts, read once."""
@@ -362,6 +373,7 @@ class RootFs:
                 failed.append(err.strerror or str(err))
         self._on_commit.clear()
         self._undo.clear()
+        self._close_link_dirs()
         return failed
 
 
@@ -376,7 +388,13 @@ class RootFs:
                     failed.append(f"{what}: {err.strerror}")
         self._undo.clear()
         self._on_commit.clear()
+        self._close_link_dirs()
         return failed
+
+    def _close_link_dirs(self) -> None:
+        for fd in self._link_dirs.values():
+            os.close(fd)
+        self._link_dirs.clear()
 
 
 def _is_link(dir_fd: int, name: str) -> bool:

@@ -103,10 +103,11 @@ def packages(tmp_path_factory: pytest.TempPathFactory) -> Packages:
     return Packages(deb=deb, rpm=rpm, version=build_packages.version())
 
 
-def debootstrap_tarball() -> Path:
-    """The cached base root as a tarball, made by debootstrap on the first call."""
-    key = hashlib.sha256(f"{SUITE} {MIRROR} minbase {','.join(INCLUDE)} v1".encode()).hexdigest()[:12]
-    tarball = CACHE / f"{SUITE}-{key}.tar"
+def debootstrap_tarball(suite: str = SUITE, include: tuple[str, ...] = INCLUDE) -> Path:
+    """The cached base root (or another suite's minbase root, with *include*) as a tarball, made by
+    debootstrap on the first call."""
+    key = hashlib.sha256(f"{suite} {MIRROR} minbase {','.join(include)} v1".encode()).hexdigest()[:12]
+    tarball = CACHE / f"{suite}-{key}.tar"
     if tarball.exists():
         return tarball
     need("debootstrap", "debootstrap")
@@ -122,7 +123,7 @@ def debootstrap_tarball() -> Path:
         # debootstrap mounts /proc and /sys in the target: in a private namespace they cannot leak.
         proc = subprocess.run(
             ["unshare", "--mount", "--propagation", "private", "--", "debootstrap", "--variant=minbase",
-             f"--include={','.join(INCLUDE)}", SUITE, str(root), MIRROR],
+             *([f"--include={','.join(include)}"] if include else []), suite, str(root), MIRROR],
             capture_output=True, text=True, check=False, timeout=1200)
         if proc.returncode != 0:
             pytest.fail(f"debootstrap failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")

@@ -83,10 +83,31 @@ def test_corrupt_caches_are_refused(image: bytes) -> None:
 
 @given(st.binary(max_size=40).filter(lambda b: 0 not in b), st.binary(max_size=40).filter(lambda b: 0 not in b))
 def test_libcmp_key_orders_as_libcmp(left: bytes, right: bytes) -> None:
-    """The sort key the cache is ordered by says what libcmp says of any two names (digits weighted up)."""
+    """The sort key the cache is ordered by says what libcmp says of any two names (digits weighted up); a name
+    with a run of digits libcmp wraps (2**31 and more) has none."""
     for a, b in ((left, right), (left + b"1" + right, left + b"01" + right), (b"lib" + left, b"lib" + right + b"9")):
         key_a, key_b = libcmp_key(a), libcmp_key(b)
+        if key_a is None or key_b is None:
+            continue
         assert (key_a > key_b) - (key_a < key_b) == (libcmp(a, b) > 0) - (libcmp(a, b) < 0)
+
+
+@pytest.mark.parametrize(("left", "right", "answer"), [
+    (b"a", b"a\x80", 128),  # a byte over 0x7f is a negative char: below the end of the name
+    (b"liba\xe9.so.1", b"libaz.so.1", -145),
+    (b"4294967296", b"5", -5),  # 2**32 is 0 in a C int
+    (b"2147483648", b"5", 2147483643),  # -2**31 - 5 wraps to a positive difference
+    (b"4294967295", b"0", -1),
+    (b"99999999999999999999", b"1", 1661992958),
+    (b"libhuge.so." + b"7" * 5000, b"libhuge.so.1", 1908874352),  # no int() of 5000 digits
+    (b"01", b"1", 0),
+])
+def test_libcmp_is_glibcs_on_x86_64(left: bytes, right: bytes, answer: int) -> None:
+    """_dl_cache_libcmp's very answers (printed by it, built with gcc for x86-64), not only their signs."""
+    assert libcmp(left, right) == answer
+    key_left, key_right = libcmp_key(left), libcmp_key(right)
+    if key_left is not None and key_right is not None:  # no run of 2**31 or more: the sort key agrees
+        assert (key_left > key_right) == (answer > 0)
 
 
 @given(st.binary(max_size=400))
