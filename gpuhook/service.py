@@ -239,11 +239,11 @@ def stop(config: Config, state_obj: Mapping[str, Any], *, served_by: str) -> Non
             log.warning("lease_kept", pid=lease.holder.pid, why="its holder still runs; released when it exits")
 
 
-def release(config: Config, container_id: str) -> Lease | None:
+def release(config: Config, container_id: str) -> tuple[Lease, ...]:
     """``gpuhook release``: drop *container_id*'s lease by hand, whatever its holder does (every lease under that
-    id, when containers of one id hold several); the first one dropped."""
+    id, when containers of one id hold several); the leases dropped."""
     if config.state_dir is None:
-        return None
+        return ()
     released = leases.release(config.state_dir, container_id)
     for lease in released:
         get_logger().info("lease_released", container_id=container_id, devices=list(lease.devices),
@@ -251,7 +251,7 @@ def release(config: Config, container_id: str) -> Lease | None:
     if released:
         _host_cleanup(config)
         _job_mapping(config)
-    return released[0] if released else None
+    return released
 
 
 def reclaim_gone(config: Config) -> tuple[Ledger, tuple[Lease, ...]]:

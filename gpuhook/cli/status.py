@@ -38,10 +38,11 @@ def run_release(config_arg: str | None, debug: bool, env: Mapping[str, str], con
     config = service.load_settings(config_arg, debug, env)
     if config.state_dir is None:
         raise StateError("state_dir is null in the config: gpuhook keeps no leases, so there is none to release")
-    lease = service.release(config, container_id)
-    if lease is None:
+    released = service.release(config, container_id)
+    if not released:
         raise StateError(f"container {container_id!r} holds no lease (see `gpuhook status`)")
-    print(f"released {container_id}: {', '.join(lease.devices)} (pid {lease.holder.pid}, since {lease.since})")
+    for lease in released:  # several where containers of one id (other runc roots, namespaces) each hold one
+        print(f"released {container_id}: {', '.join(lease.devices)} (pid {lease.holder.pid}, since {lease.since})")
     return 0
 
 

@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Final, NoReturn
@@ -208,7 +209,7 @@ def host_families(config: Config) -> Iterator[Any]:
                  labels=("gpu", "uuid", "model", "sharing"))
     holders = gauge("gpuhook_gpu_holders", "Containers holding the GPU (whole or a MIG device on it)",
                     labels=("gpu", "uuid"))
-    held = gauge("gpuhook_container_gpu_info", "A container's lease on a GPU or MIG device",
+    held = gauge("gpuhook_container_gpu_info", "Leases of a container id on a GPU or MIG device (one per container)",
                  labels=("container_id", "gpu", "uuid", "mig_uuid"))
     mig = gauge("gpuhook_mig_instances", "MIG devices that exist now", labels=("gpu", "profile", "created_by_gpuhook"))
     mps = gauge("gpuhook_mps_daemon_up", "gpuhook's MPS daemon of the GPU runs", labels=("gpu",))
@@ -219,8 +220,11 @@ def host_families(config: Config) -> Iterator[Any]:
         holders.add_metric((str(gpu.index), gpu.uuid), len(gpu.holders))
         if gpu.mps_up is not None:
             mps.add_metric((str(gpu.index),), 1 if gpu.mps_up else 0)
-    for lease in view.leases:
-        held.add_metric((lease.container_id, str(lease.gpu), lease.uuid, lease.mig_uuid), 1)
+    # containers of one id (other runc roots, namespaces) on one device are one label set: counted, never two
+    # samples of it, which Prometheus would refuse the whole scrape for
+    devices = Counter((lease.container_id, str(lease.gpu), lease.uuid, lease.mig_uuid) for lease in view.leases)
+    for labels, count in sorted(devices.items()):
+        held.add_metric(labels, count)
     for (parent, profile, created), count in sorted(view.mig_instances.items()):
         mig.add_metric((str(parent), profile, "true" if created else "false"), count)
     for (container_id, on), used in sorted(view.memory.items()):

@@ -68,7 +68,10 @@ def usage_view(inventory: Inventory, policies: Mapping[int, GpuPolicy], ledger: 
     parent_of = {m.uuid.casefold(): m.parent_index for m in inventory.mig_devices}
     by_uuid = {g.uuid.casefold(): g for g in inventory.gpus}
     leased: list[LeasedDevice] = []
+    #: GPU index → one container id per lease on it: two containers of one id (other runc roots) are two holders
+    holders: dict[int, list[str]] = {}
     for lease in ledger.leases:
+        first = len(leased)
         for device in lease.devices:
             key = device.casefold()
             if key in by_uuid:
@@ -78,8 +81,10 @@ def usage_view(inventory: Inventory, policies: Mapping[int, GpuPolicy], ledger: 
                 parent = inventory.gpus[parent_of[key]]
                 leased.append(LeasedDevice(container_id=lease.container_id, gpu=parent.index, uuid=parent.uuid,
                                            mig_uuid=device))
+        for index in dict.fromkeys(d.gpu for d in leased[first:]):
+            holders.setdefault(index, []).append(lease.container_id)
     gpus = tuple(GpuUse(index=g.index, uuid=g.uuid, model=g.model, sharing=policies[g.index].sharing.value,
-                        holders=tuple(dict.fromkeys(d.container_id for d in leased if d.gpu == g.index)),
+                        holders=tuple(holders.get(g.index, ())),
                         mps_up=mps_up.get(g.uuid, False if policies[g.index].sharing is Sharing.MPS else None))
                  for g in inventory.gpus)
     made = {r.uuid.casefold() for lease in ledger.leases for r in lease.migs if r.created and r.uuid}

@@ -227,6 +227,15 @@ class Site:
         data: dict[str, Any] = json.loads(proc.stdout)
         return data
 
+    def metric_samples(self) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+        """``gpuhook status --prometheus``'s samples: (name, sorted labels, value) each, in their order."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        proc = self.gpuhook("status", "--prometheus")
+        assert proc.returncode == 0, proc.stderr
+        return [(s.name, tuple(sorted(s.labels.items())), s.value)
+                for family in text_string_to_metric_families(proc.stdout) for s in family.samples]
+
     def status_holders(self) -> dict[str, set[int]]:
         """Container id → the GPU indexes ``gpuhook status --json`` lists it as a holder of."""
         out: dict[str, set[int]] = {}
@@ -528,6 +537,14 @@ def test_two_running_containers_of_one_id_hold_a_lease_each(make_site: MakeSite,
         [(a.id, a_pid), (a.id, b_pid)])
     [gpu0] = [gpu for gpu in site.status()["gpus"] if gpu["index"] == 0]
     assert sorted((h["container_id"], h["pid"]) for h in gpu0["holders"]) == sorted([(a.id, a_pid), (a.id, b_pid)])
+    # the metrics: one sample per label set (Prometheus refuses a scrape with two), each container counted
+    samples = site.metric_samples()
+    labelled = [(name, labels) for name, labels, _ in samples]
+    assert len(labelled) == len(set(labelled)), samples
+    values = {(name, labels): value for name, labels, value in samples}
+    assert values[("gpuhook_container_gpu_info", (("container_id", a.id), ("gpu", "0"), ("mig_uuid", ""),
+                                                 ("uuid", host8.gpus[0].uuid)))] == 2
+    assert values[("gpuhook_gpu_holders", (("gpu", "0"), ("uuid", host8.gpus[0].uuid)))] == 2
     c = site.bundle(GPU0)
     site.refused(site.start(c), f"{a.id} (pid {a_pid},", f"{a.id} (pid {b_pid},", "shared")
     site.delete(a.id, root=b.bundle.root)

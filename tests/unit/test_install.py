@@ -125,7 +125,8 @@ def test_kubernetes_files_parse_and_agree() -> None:
     assert runtime_class["handler"] == "gpuhook" and "runtimes.gpuhook]" in dropin
     front_end = "/usr/lib/gpuhook/libexec/gpuhook-runtime"  # what `gpuhook install` registers in the packages' layout
     (change, _, _) = changes("containerd", bin_dir=BIN, current={}, runtime=front_end)
-    assert f'BinaryName = "{front_end}"' in dropin and change.content and f'BinaryName = "{front_end}"' in change.content
+    binary = f'BinaryName = "{front_end}"'
+    assert change.content and binary in dropin and binary in change.content
     daemonset = yaml.safe_load((PACKAGING / "kubernetes/daemonset.yaml").read_text())
     pod = daemonset["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"][0]
