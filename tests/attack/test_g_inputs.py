@@ -71,12 +71,13 @@ def _log_lines(rig: Rig, offset: int) -> list[bytes]:
 
 
 def test_huge_visible_devices_value_is_echoed_and_logged_bounded(rig: Rig) -> None:
-    """A 100 KiB NVIDIA_VISIBLE_DEVICES is refused with one bounded line, and no log line holds it whole."""
+    """A 100 KiB NVIDIA_VISIBLE_DEVICES is refused with one bounded line that names the entry's length and the
+    limit (quoting only its start), and no log line holds it whole."""
     log = rig.host.root / "gpuhook.log"
     offset = log.stat().st_size if log.exists() else 0
     value = "GPU-" + "a" * (100 << 10)
     outcome = rig.run(rig.container({"NVIDIA_VISIBLE_DEVICES": value}, GPU_PROBE))
-    outcome.assert_refused("more)")
+    outcome.assert_refused(f"the entry {value[:40]!r}... is {len(value)} characters long", "the limit is 128")
     assert len(outcome.hook_error.splitlines()[0]) <= LINE_BOUND, len(outcome.hook_error)
     lines = _log_lines(rig, offset)
     if rig.via.socket == "none" or lines:  # the hook logs itself; gpuhookd logs where its configuration says

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuhook.cli.install import runtime_program
 from integration.containerd import DEBIAN_CONFIG, Containerd
 from integration.engines import host_mounts, leftover_cgroups, unique_id
 from integration.fakehost import FakeHost
@@ -137,5 +138,5 @@ def test_stock_debian_config_plus_install_knows_the_handler(name: str, tmp_path:
     assert main(["install", "--runtime", "containerd", "--root", str(root), "--bin-dir", str(bin_dir),
                  *(("--name", name) if name != "gpuhook" else ())]) == 0
     view = containerd_view(containerd)
-    assert view.error == "" and view.handlers == (f"runtime handler {name} ({bin_dir}/gpuhook-runtime)",), view
+    assert view.error == "" and view.handlers == (f"runtime handler {name} ({runtime_program(bin_dir)})",), view
     assert registration_checks([view])[0].verdict is Verdict.OK
