@@ -97,7 +97,8 @@ def ensure(state_dir: Path, control: Path, gpu: Gpu, limits: Limits) -> Ensured:
     """*gpu*'s MPS daemon, running with *limits* (started now if it is not); raises ProvisionError."""
     with ledger_store.gpu_lock(state_dir, gpu.uuid, "mps"):
         recorded = ledger_store.read(state_dir).daemon_for(gpu.uuid)
-        found = check(control, recorded) if recorded is not None else Check()
+        # the daemon's identity only (no process to run): its limits are told again below whatever they are
+        found = Check(identity=_identity(recorded)) if recorded is not None else Check()
         if recorded is not None and not found.identity:
             # gpuhook's own daemon: its limits told again at each start, whatever told it others since
             daemon = replace(recorded, thread_percentage=limits.thread_percentage,
@@ -123,23 +124,9 @@ def ensure(state_dir: Path, control: Path, gpu: Gpu, limits: Limits) -> Ensured:
 def check(control: Path, daemon: MpsDaemon) -> Check:
     """Whether *daemon* is the one behind its pipes (its process, pid file and client socket) and reports the
     limits recorded for it (asked through its own ``get_default_...`` commands). Changes nothing."""
-    holder = daemon.holder
-    if holder is None:
-        return Check(identity=("it was recorded but never started (gpuhook stopped while starting it)",))
-    if not alive(holder):
-        return Check(identity=(f"its control daemon (pid {holder.pid}) is not running",))
-    pipe = Path(daemon.pipe_dir)
-    try:
-        named = (pipe / _PID_FILE).read_text(encoding="ascii").strip()
-    except OSError as err:
-        named = f"nothing ({err.strerror})"
-    identity = []
-    if named != str(holder.pid):
-        identity.append(f"{pipe / _PID_FILE} names {named}, not gpuhook's pid {holder.pid}")
-    if not _same_file(pipe / "control", Path(client_dir(daemon)) / "control"):
-        identity.append(f"the containers' {client_dir(daemon)}/control is not the daemon's socket")
+    identity = _identity(daemon)
     if identity:
-        return Check(identity=tuple(identity))
+        return Check(identity=identity)
     try:
         threads, memory = _reported(control, daemon)
     except ProvisionError as err:
@@ -151,6 +138,27 @@ def check(control: Path, daemon: MpsDaemon) -> Check:
         limits.append(f"it reports {memory if memory is not None else 'no'} MiB of pinned memory per client, "
                       f"not {daemon.memory_limit_mib}")
     return Check(limits=tuple(limits))
+
+
+def _identity(daemon: MpsDaemon) -> tuple[str, ...]:
+    """Why *daemon* is not the one behind its pipes (its process, pid file, client socket); empty: it is.
+    Reads files only, so that each start can afford it."""
+    holder = daemon.holder
+    if holder is None:
+        return ("it was recorded but never started (gpuhook stopped while starting it)",)
+    if not alive(holder):
+        return (f"its control daemon (pid {holder.pid}) is not running",)
+    pipe = Path(daemon.pipe_dir)
+    try:
+        named = (pipe / _PID_FILE).read_text(encoding="ascii").strip()
+    except OSError as err:
+        named = f"nothing ({err.strerror})"
+    identity = []
+    if named != str(holder.pid):
+        identity.append(f"{pipe / _PID_FILE} names {named}, not gpuhook's pid {holder.pid}")
+    if not _same_file(pipe / "control", Path(client_dir(daemon)) / "control"):
+        identity.append(f"the containers' {client_dir(daemon)}/control is not the daemon's socket")
+    return tuple(identity)
 
 
 def stop_idle(state_dir: Path, control: Path) -> tuple[MpsDaemon, ...]:
@@ -255,8 +263,9 @@ def _set_limits(control: Path, daemon: MpsDaemon) -> None:
 
 def _reported(control: Path, daemon: MpsDaemon) -> tuple[str, int | None]:
     """The limits the daemon reports: its percentage as it prints it, its pinned-memory limit in MiB (None: none)."""
-    said = _run(control, [], daemon, stdin="get_default_active_thread_percentage\n", what="ask").strip()
-    memory = _run(control, [], daemon, stdin="get_default_device_pinned_mem_limit 0\n", what="ask").strip()
+    replies = _run(control, [], daemon, stdin="get_default_active_thread_percentage\n"
+                   "get_default_device_pinned_mem_limit 0\n", what="ask").splitlines()
+    said, memory = (line.strip() for line in [*replies, "", ""][:2])  # no memory line where none was set
     unit = {"M": 0, "G": 10, "T": 20}.get(memory[-1:])
     mib = int(memory[:-1]) << unit if unit is not None and memory[:-1].isdigit() else None
     return said, mib
