@@ -437,7 +437,9 @@ def _logged_timings(log: Path | None, offset: int) -> dict[str, float]:
         return {}
     with log.open("rb") as handle:
         handle.seek(offset)
-        events = [json.loads(line) for line in handle.read().splitlines() if line.strip()]
+        # whole lines only: gpuhookd may be writing the line of a notice the relay did not wait for
+        whole = handle.read().rpartition(b"\n")[0]
+        events = [json.loads(line) for line in whole.splitlines() if line.strip()]
     out = {}
     for event in events:
         if event.get("event") == "host_discovered":
