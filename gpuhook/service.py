@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from gpuhook.apply.ahead import ChildAhead
     from gpuhook.discovery.health import XidLog
     from gpuhook.cdi import Rendered
+    from gpuhook.provision import mps
     from gpuhook.sys.prefault import Learned
 
 # What only gpuhookd, CDI, spec edits or `doctor` use is imported where it is used: an in-process
@@ -179,6 +180,7 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
             if (ungrant := grant_device_access(plan, ref.pid)) is not None:
                 undo.callback(ungrant)
             profile["cgroup"] = _ms(step)
+            reserved.mps_told()  # told while the plan and the child worked
             if holder is not None and config.state_dir is not None:
                 # Active once its devices are granted, while the child still works (off the start's path): a
                 # start that fails after this drops the lease all the same (the undo above).
@@ -325,6 +327,8 @@ class _Reserved:
     asked: GpuRequest
     #: the MPS daemon of the GPU it holds under ``sharing: mps``
     mps: MpsDaemon | None = None
+    #: waits for that daemon's limits to be told (``mps.Ensured.told``): before the container runs
+    mps_told: Callable[[], object] = lambda: None
 
 
 def _reserve(config: Config, request: GpuRequest, found: Found, target: Target, container: Container, pidfd: int,
@@ -357,17 +361,18 @@ def _reserve(config: Config, request: GpuRequest, found: Found, target: Target, 
     allocation = taken.allocation
     if taken.to_recycle:
         _host_cleanup(config, inventory)  # the reclaimed leases' instances first: they may hold the room
-    mps = _mps_daemon(config, inventory, policies, allocation.request)
+    ensured = _mps_daemon(config, inventory, policies, allocation.request)
+    mps, told = (ensured.daemon, ensured.told) if ensured is not None else (None, lambda: None)
     if not allocation.to_make:
-        return _Reserved(request=allocation.request, holder=holder, made=(), asked=request, mps=mps)
+        return _Reserved(request=allocation.request, holder=holder, made=(), asked=request, mps=mps, mps_told=told)
     made = _make_migs(config, inventory, allocation, container.id, holder, datetime.now(UTC))
     placed = dataclasses.replace(allocation.request, mig_asks=(),
                                  devices=allocation.request.devices + tuple(MigUuid(r.uuid) for r in made if r.uuid))
-    return _Reserved(request=placed, holder=holder, made=made, asked=request, mps=mps)
+    return _Reserved(request=placed, holder=holder, made=made, asked=request, mps=mps, mps_told=told)
 
 
 def _mps_daemon(config: Config, inventory: Inventory, policies: Mapping[int, GpuPolicy],
-                request: GpuRequest) -> MpsDaemon | None:
+                request: GpuRequest) -> mps.Ensured | None:
     """The MPS daemon of the GPU *request* holds under ``sharing: mps`` (started if it is not running)."""
     from gpuhook.planning.select import select_devices
 
@@ -388,7 +393,7 @@ def _mps_daemon(config: Config, inventory: Inventory, policies: Mapping[int, Gpu
                              done="restarted in the same directories" if ensured.started else "limits told again")
     get_logger().info("mps_daemon", gpu=gpu.index, pid=daemon.holder.pid if daemon.holder else None,
                       started=ensured.started, thread_percentage=threads, memory_limit_mib=memory, ms=_ms(step))
-    return daemon
+    return ensured
 
 
 def _with_mps(live: LiveFacts, daemon: MpsDaemon | None) -> LiveFacts:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,10 +31,6 @@ from gpuhook.request.runtimecall import (ENGINE_ENV_FIX, ENGINE_LIBRARY_PATH, bu
 
 #: Trusted locations only: the wrapper runs as root and must not pick a runtime from a daemon's PATH.
 RUNTIME_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-#: Stock containerd's ENGINE_LIBRARY_PATH ("/opt/containerd/lib:"), let into this interpreter when the engine
-#: runs it directly (`gpuhook install --runtime containerd` registers it so): root's own directory, which
-#: runc loads from as well. Any other value needs the C front-end, which starts this wrapper without it.
-DIRECT_LIBRARY_PATH: Final = frozenset({"/opt/containerd/lib", ""})
 
 
 def bundle_of(argv: Sequence[str]) -> Path | None:
@@ -83,9 +80,34 @@ def installed_relay() -> Path | None:
 
 
 def interpreter_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """This interpreter's *env* as the tripwire judges it: without stock containerd's DIRECT_LIBRARY_PATH."""
+    """This interpreter's *env* as the tripwire judges it: without an ENGINE_LIBRARY_PATH of root's directories
+    only, as containerd's opt plugin sets it when the engine runs this wrapper directly (`/opt/containerd/lib`,
+    k3s's, RKE2's: wherever its state is). The loader has searched them already; what only root can put there
+    injects nothing root did not. Any other value needs the C front-end, which starts this wrapper without it."""
     return {key: value for key, value in env.items()
-            if not (key == ENGINE_LIBRARY_PATH and set(value.split(":")) <= DIRECT_LIBRARY_PATH)}
+            if not (key == ENGINE_LIBRARY_PATH and all(map(_root_only, value.split(":"))))}
+
+
+def _root_only(directory: str) -> bool:
+    """Whether only root can have put a file in *directory*: "" (the loader's no-op), or an absolute path whose
+    every existing component, from /, is root's and writable by no one else, and no symlink (a missing one:
+    its parent, checked, is root's alone)."""
+    if not directory:
+        return True
+    if not directory.startswith("/"):
+        return False  # relative to whatever directory the engine started in
+    path = "/"
+    for part in ["", *filter(None, directory.split("/"))]:
+        path = os.path.join(path, part)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            return False
+    return True
 
 
 def front_end_fix() -> str:

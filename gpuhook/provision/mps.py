@@ -86,6 +86,9 @@ class Ensured:
     daemon: MpsDaemon
     started: bool
     found: Check
+    #: waits for the limits being told to a daemon that was running (a process of their own, which works
+    #: while the start goes on) and raises ProvisionError where they were not: called before the container runs
+    told: Callable[[], object] = lambda: None
 
 
 def client_dir(daemon: MpsDaemon) -> str:
@@ -103,10 +106,11 @@ def ensure(state_dir: Path, control: Path, gpu: Gpu, limits: Limits) -> Ensured:
             # gpuhook's own daemon: its limits told again at each start, whatever told it others since
             daemon = replace(recorded, thread_percentage=limits.thread_percentage,
                              memory_limit_mib=limits.memory_limit_mib)
-            _set_limits(control, daemon)
+            telling = _spawn(control, [], daemon, stdin=_limit_commands(daemon), what="set the limits of")
             if daemon != recorded:
                 _record(state_dir, daemon)
-            return Ensured(daemon=daemon, started=False, found=found)
+            return Ensured(daemon=daemon, started=False, found=found,
+                           told=lambda: _finish(telling, control, daemon, what="set the limits of"))
         if recorded is not None:  # dead (killed? quit?), never started, or not the one behind the pipes
             _stop(control, recorded)
         base = state_dir / "mps" / gpu.uuid
@@ -256,9 +260,12 @@ def _start(control: Path, daemon: MpsDaemon) -> Holder:
 
 
 def _set_limits(control: Path, daemon: MpsDaemon) -> None:
-    commands = (f"set_default_active_thread_percentage {_percent(daemon.thread_percentage)}\n"
-                f"set_default_device_pinned_mem_limit 0 {daemon.memory_limit_mib}M\n")
-    _run(control, [], daemon, stdin=commands, what="set the limits of")
+    _run(control, [], daemon, stdin=_limit_commands(daemon), what="set the limits of")
+
+
+def _limit_commands(daemon: MpsDaemon) -> str:
+    return (f"set_default_active_thread_percentage {_percent(daemon.thread_percentage)}\n"
+            f"set_default_device_pinned_mem_limit 0 {daemon.memory_limit_mib}M\n")
 
 
 def _reported(control: Path, daemon: MpsDaemon) -> tuple[str, int | None]:
@@ -277,17 +284,39 @@ def _percent(value: float) -> str:
 
 def _run(control: Path, args: list[str], daemon: MpsDaemon, *, what: str, stdin: str = "") -> str:
     """``nvidia-cuda-mps-control ARGS`` with *stdin*; its stdout; raises ProvisionError."""
+    return _finish(_spawn(control, args, daemon, stdin=stdin, what=what), control, daemon, what=what)
+
+
+def _spawn(control: Path, args: list[str], daemon: MpsDaemon, *, stdin: str, what: str) -> subprocess.Popen[str]:
+    """``nvidia-cuda-mps-control ARGS`` started, *stdin* (a few commands: within a pipe's buffer) written to it."""
     try:
-        proc = subprocess.run([str(control), *args], input=stdin, env=_env(daemon), capture_output=True, text=True,
-                              timeout=DAEMON_TIMEOUT_S, check=False, close_fds=True, cwd="/",
-                              preexec_fn=_private_shm(daemon) if args == ["-d"] else None)
+        proc = subprocess.Popen([str(control), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=_env(daemon), close_fds=True, cwd="/",
+                                # as subprocess.run took it before: the daemon's start only (its /dev/shm)
+                                preexec_fn=_private_shm(daemon) if args == ["-d"] else None)  # noqa: PLW1509
+        assert proc.stdin is not None
+        with proc.stdin:
+            proc.stdin.write(stdin)
+        proc.stdin = None  # written and closed: communicate() has nothing more to send
     except (OSError, subprocess.SubprocessError) as err:
         raise ProvisionError(f"cannot {what} the MPS control daemon for GPU {daemon.gpu} ({control}): {err}") from err
+    return proc
+
+
+def _finish(proc: subprocess.Popen[str], control: Path, daemon: MpsDaemon, *, what: str) -> str:
+    """*proc*'s stdout once it exits (killed after DAEMON_TIMEOUT_S); raises ProvisionError where it failed."""
+    try:
+        out, err = proc.communicate(timeout=DAEMON_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise ProvisionError(f"cannot {what} the MPS control daemon for GPU {daemon.gpu}: {control} did not answer "
+                             f"in {DAEMON_TIMEOUT_S:g} s; see {daemon.log_dir}/control.log") from None
     if proc.returncode != 0:
-        said = (proc.stderr or proc.stdout).strip()
+        said = (err or out).strip()
         raise ProvisionError(f"cannot {what} the MPS control daemon for GPU {daemon.gpu}: {control} exited "
                              f"{proc.returncode}{': ' + said if said else ''}; see {daemon.log_dir}/control.log")
-    return proc.stdout
+    return out
 
 
 def _private_shm(daemon: MpsDaemon) -> Callable[[], None]:

@@ -164,20 +164,30 @@ def test_the_wrapper_starts_without_the_engines_loader_variables(front_end: Path
     assert runc_environment(started) == engine | {k: started[k] for k in ("PATH", "GPUHOOK_DAEMON_SOCKET")}
 
 
-def test_a_wrapper_the_engine_runs_itself_names_the_front_end(front_end: Path, tmp_path: Path) -> None:
-    """The Python wrapper registered directly (BinaryName) under k3s: its interpreter got the library path, so
-    it refuses in one line naming the front-end beside it to register instead; through that front-end the
-    same call gets past the tripwire (to the missing bundle)."""
+def test_a_wrapper_the_engine_runs_itself_takes_roots_library_path_only(front_end: Path, tmp_path: Path) -> None:
+    """The Python wrapper registered directly (BinaryName) under k3s: its interpreter got the opt plugin's
+    library path, a directory only root can fill (here, one not made yet under root's /var/lib), so it gets past
+    the tripwire (to the missing bundle), as through the front-end. A library path any user can fill refuses
+    in one line naming the front-end beside it to register instead, which starts the wrapper without it."""
     program = layout(tmp_path, front_end, None)
     python_wrapper = program.parents[1] / "bin/gpuhook-runtime"
     python_wrapper.write_text(launcher_text(sys.executable, "runtime"))
     python_wrapper.chmod(0o755)
+    missing_bundle = (1, f"gpuhook: cannot open {tmp_path / 'nowhere'}/config.json: No such file or directory\n")
     k3s = {"LD_LIBRARY_PATH": "/var/lib/rancher/k3s/agent/containerd/lib"}
-    direct = run_in(python_wrapper, "create", "--bundle", str(tmp_path / "nowhere"), "c1", env=k3s)
-    fronted = run_in(program, "create", "--bundle", str(tmp_path / "nowhere"), "c1", env=k3s)
-    assert (direct.returncode, direct.stderr) == (1, (
-        "gpuhook: the hook's environment sets LD_LIBRARY_PATH; they can inject code into a root process "
-        f"(CVE-2025-23266). The engine runs the Python wrapper {python_wrapper} itself: register {program} as the "
-        "runtime instead, which gives runc the engine's environment and starts the Python wrapper without them\n"))
-    assert (fronted.returncode, fronted.stderr) == (
-        1, f"gpuhook: cannot open {tmp_path / 'nowhere'}/config.json: No such file or directory\n")
+    for runtime in (python_wrapper, program):
+        started = run_in(runtime, "create", "--bundle", str(tmp_path / "nowhere"), "c1", env=k3s)
+        assert (started.returncode, started.stderr) == missing_bundle, runtime
+    anyones = tmp_path / "anyones"
+    anyones.mkdir(mode=0o777)
+    anyones.chmod(0o777)
+    for value in (str(anyones), f"/opt/containerd/lib:{anyones / 'lib'}", "lib"):
+        direct = run_in(python_wrapper, "create", "--bundle", str(tmp_path / "nowhere"), "c1",
+                        env={"LD_LIBRARY_PATH": value})
+        assert (direct.returncode, direct.stderr) == (1, (
+            "gpuhook: the hook's environment sets LD_LIBRARY_PATH; they can inject code into a root process "
+            f"(CVE-2025-23266). The engine runs the Python wrapper {python_wrapper} itself: register {program} as "
+            "the runtime instead, which gives runc the engine's environment and starts the Python wrapper without "
+            "them\n")), value
+        fronted = run_in(program, "create", "--bundle", str(tmp_path / "nowhere"), "c1", env={"LD_LIBRARY_PATH": value})
+        assert (fronted.returncode, fronted.stderr) == missing_bundle, value
