@@ -180,7 +180,6 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
             if (ungrant := grant_device_access(plan, ref.pid)) is not None:
                 undo.callback(ungrant)
             profile["cgroup"] = _ms(step)
-            reserved.mps_told()  # told while the plan and the child worked
             if holder is not None and config.state_dir is not None:
                 # Active once its devices are granted, while the child still works (off the start's path): a
                 # start that fails after this drops the lease all the same (the undo above).
@@ -189,6 +188,11 @@ def start(config: Config, request: GpuRequest, container: Container, *, placemen
             pending.abandon()
             raise
         changes = pending.held()
+        try:
+            reserved.mps_told()  # told while the plan and the child worked; before the container runs
+        except BaseException:
+            changes.abandon()
+            raise
         changes.commit()
         report = changes.report
         undo.pop_all()  # the start holds: keep every effect
