@@ -80,8 +80,9 @@ def root_entry_points(bundle: Path, config: Path) -> list[tuple[str, list[str], 
 def test_tripwire_refuses_in_every_root_entry_point(bundle: Path, host: FakeHost, variable: str) -> None:
     """A loader or interpreter variable in the environment: every root entry point refuses, naming it."""
     for script, argv, stdin in root_entry_points(bundle, host.config_path):
-        # The value names no file: the loader only warns, so what is checked is gpuhook's own refusal.
-        result = run(script, *argv, env={variable: "/nonexistent/x.so", "GPUHOOK_CONFIG": str(host.config_path)},
+        # The value names no file: the loader only warns, so what is checked is gpuhook's own refusal. It is
+        # under /tmp, where any user could put one (the runtime wrapper lets a library path of root's alone in).
+        result = run(script, *argv, env={variable: "/tmp/nonexistent/x.so", "GPUHOOK_CONFIG": str(host.config_path)},
                      stdin=stdin)
         label = f"{script} {' '.join(argv)}"
         assert result.returncode == 1, f"{label}: {result.returncode} {result.stderr}"
@@ -92,7 +93,8 @@ def test_tripwire_refuses_in_every_root_entry_point(bundle: Path, host: FakeHost
 
 
 def test_containerds_own_library_path_is_not_the_containers() -> None:
-    """containerd adds /opt/containerd/lib to every shim's LD_LIBRARY_PATH: gpuhook-runtime lets exactly that pass."""
+    """containerd adds /opt/containerd/lib to every shim's LD_LIBRARY_PATH: gpuhook-runtime lets that pass (a
+    directory only root can fill), not one any user can fill."""
     result = run("gpuhook-runtime", "create", "--bundle", "/nonexistent", "c1",
                  env={"LD_LIBRARY_PATH": "/opt/containerd/lib:"})
     assert result.returncode == 1
